@@ -1,0 +1,67 @@
+"""Typed errors of hp-dcp-hf.
+
+Every error names what it is about (``file``, ``key``) and why (``reason``), so a user reading one
+line knows which checkpoint file or tensor to look at. All are plain ``Exception`` subclasses;
+DCP wraps errors raised inside ``dcp.load`` in ``CheckpointException``, which
+:func:`hp_dcp_hf.load_hf_checkpoint` unwraps again.
+"""
+
+from __future__ import annotations
+
+
+class HPDCPHFError(Exception):
+    """Base class of every error this package raises on purpose."""
+
+    def __init__(self, reason: str, *, file: str | None = None, key: str | None = None) -> None:
+        self.reason = reason
+        self.file = file
+        self.key = key
+        where = ", ".join(part for part in (
+            f"file {file!r}" if file is not None else "",
+            f"key {key!r}" if key is not None else "",
+        ) if part)
+        super().__init__(f"{where}: {reason}" if where else reason)
+
+    def __reduce__(self):
+        # Errors cross process boundaries (DCP gathers them to rank 0): keep the keyword fields.
+        return (_rebuild, (type(self), self.reason, self.file, self.key))
+
+
+def _rebuild(cls: type[HPDCPHFError], reason: str, file: str | None, key: str | None) -> HPDCPHFError:
+    return cls(reason, file=file, key=key)
+
+
+class CheckpointNotFoundError(HPDCPHFError):
+    """The path names no checkpoint, or a file the index names does not exist."""
+
+
+class CheckpointFormatError(HPDCPHFError):
+    """A safetensors header or an index file breaks the format's rules."""
+
+
+class UnsupportedDtypeError(CheckpointFormatError):
+    """A tensor's dtype is unknown to safetensors or has no torch equivalent."""
+
+
+class UnsafeCheckpointError(HPDCPHFError):
+    """A pickle-based checkpoint (``.bin``, ``.pt``): refused, never unpickled."""
+
+
+class StorageReadError(HPDCPHFError):
+    """Reading bytes failed: I/O error, short read, or a file changed since its header was read."""
+
+
+class LayoutError(HPDCPHFError):
+    """A parameter's placements cannot be loaded into (``Partial``, unknown placement types)."""
+
+
+class MappingError(HPDCPHFError):
+    """A conversion mapping cannot be composed: shapes disagree, sources are absent, ops fail."""
+
+
+class PlanningError(HPDCPHFError):
+    """The load plan is inconsistent with the model: uncovered or doubly covered elements, bad dtypes."""
+
+
+class MissingKeysError(PlanningError):
+    """``strict=True`` and some model tensors are not produced by the checkpoint."""
