@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from hp_dcp_hf.box import Box
-from hp_dcp_hf.mapping.symbolic import Piece, RegionTensor, restrict
+from hp_dcp_hf.mapping.symbolic import Axis, Piece, RegionTensor, restrict
 
 
 @dataclass(frozen=True)
@@ -20,8 +20,8 @@ class ViewAxis:
 
 @dataclass(frozen=True)
 class ReadBlock:
-    """Box ``source_box`` of checkpoint tensor ``key``, read in row-major order and reshaped to the
-    sizes of ``view``, lands in the local shard at ``origin`` + sum(i * step) along each axis."""
+    """Box ``source_box`` of checkpoint tensor ``key`` lands in the local shard at ``origin``,
+    source dim ``d`` walking ``view[d]``: the destination is a strided view shaped like the box."""
 
     key: str
     source_box: Box
@@ -33,32 +33,27 @@ class ReadBlock:
         return self.source_box.numel
 
 
-def _is_box(piece: Piece, src_dim: int) -> bool:
-    axes = sorted((a for a in piece.axes if a.src_dim == src_dim), key=lambda a: -a.src_step)
-    expected = 1
-    for a in reversed(axes):
-        if a.src_step != expected:
-            return False
-        expected *= a.size
-    return True
+def _unit_axes(piece: Piece, src_ndim: int) -> list[Axis | None] | Axis:
+    """Per source dim its one unit-step axis (None for a dim of size 1), or the axis to split."""
+    per_dim: list[Axis | None] = [None] * src_ndim
+    for axis in sorted(piece.axes, key=lambda a: a.src_step):
+        if per_dim[axis.src_dim] is not None or axis.src_step != 1:
+            return axis
+        per_dim[axis.src_dim] = axis
+    return per_dim
 
 
 def _as_blocks(piece: Piece, src_ndim: int) -> list[ReadBlock]:
-    """Split ``piece`` until its source footprint is a box, then describe each part."""
-    broken = next((d for d in range(src_ndim) if not _is_box(piece, d)), None)
-    if broken is not None:
-        axis = max((a for a in piece.axes if a.src_dim == broken), key=lambda a: a.src_step)
-        return [b for k in range(axis.size) for b in _as_blocks(piece.advance(axis, k, 1), src_ndim)]
-    sizes = [1] * src_ndim
-    for a in piece.axes:
-        sizes[a.src_dim] *= a.size
-    ordered = sorted(piece.axes, key=lambda a: (a.src_dim, -a.src_step))
+    """Split ``piece`` until each source dim is walked by one axis, then describe each part."""
+    axes = _unit_axes(piece, src_ndim)
+    if isinstance(axes, Axis):
+        return [b for k in range(axes.size) for b in _as_blocks(piece.advance(axes, k, 1), src_ndim)]
     return [
         ReadBlock(
             piece.key,
-            Box(piece.src_origin, tuple(sizes)),
+            Box(piece.src_origin, tuple(a.size if a else 1 for a in axes)),
             piece.origin,
-            tuple(ViewAxis(a.size, a.dim, a.step) for a in ordered),
+            tuple(ViewAxis(a.size, a.dim, a.step) if a else ViewAxis(1, 0, 0) for a in axes),
         )
     ]
 

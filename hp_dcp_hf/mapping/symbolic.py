@@ -180,13 +180,24 @@ def _reshape_piece(piece: Piece, old: Sequence[int], new: Sequence[int]) -> list
     return [Piece(piece.key, tuple(d), src, tuple(axes)) for d, axes, src in parts]
 
 
-class RegionTensor:
-    """A tensor of ``shape`` whose elements are described by ``pieces`` (see module docstring)."""
+class RegionTensor(torch.Tensor):
+    """A tensor of ``shape`` whose elements are described by ``pieces`` (see module docstring).
 
-    def __init__(self, shape: Sequence[int], pieces: Sequence[Piece], dtype: torch.dtype) -> None:
-        self.shape = torch.Size(shape)
-        self.pieces = tuple(pieces)
-        self.dtype = dtype
+    A ``torch.Tensor`` subclass over a meta tensor, so conversion code that checks
+    ``isinstance(x, torch.Tensor)`` or reads ``shape``/``ndim``/``dtype`` sees a tensor; every op
+    it runs comes back here through ``__torch_function__``.
+    """
+
+    pieces: tuple[Piece, ...]
+
+    @staticmethod
+    def __new__(cls, shape: Sequence[int], pieces: Sequence[Piece], dtype: torch.dtype) -> RegionTensor:
+        tensor = torch.Tensor._make_subclass(cls, torch.empty(tuple(shape), dtype=dtype, device="meta"))
+        tensor.pieces = tuple(pieces)
+        return tensor
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
 
     @classmethod
     def source(cls, key: str, shape: Sequence[int], dtype: torch.dtype) -> RegionTensor:
@@ -197,26 +208,8 @@ class RegionTensor:
         axes = tuple(Axis(s, d, 1, d, 1) for d, s in enumerate(shape) if s > 1)
         return cls(shape, (Piece(key, (0,) * len(shape), (0,) * len(shape), axes),), dtype)
 
-    def __repr__(self) -> str:
+    def __repr__(self, *args: Any, **kwargs: Any) -> str:
         return f"RegionTensor(shape={tuple(self.shape)}, pieces={len(self.pieces)})"
-
-    # -- tensor-like surface used by conversion ops ------------------------------------------
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    def dim(self) -> int:
-        return self.ndim
-
-    def size(self, dim: int | None = None):
-        return self.shape if dim is None else self.shape[dim]
-
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def device(self) -> torch.device:
-        return torch.device("meta")
 
     def keys(self) -> set[str]:
         """Checkpoint keys this tensor reads from."""
@@ -361,16 +354,17 @@ class RegionTensor:
                 raise UntraceableOp(f"indexing with {item!r}")
         return result
 
-    def __getattr__(self, name: str):
-        raise UntraceableOp(f"Tensor.{name}")
-
     # -- torch functions ------------------------------------------------------------------
     @classmethod
     def __torch_function__(cls, func: Callable, types, args=(), kwargs=None) -> Any:
         kwargs = kwargs or {}
-        handler = _TORCH_FUNCTIONS.get(getattr(func, "__name__", ""))
+        name = getattr(func, "__name__", "")
+        if name in _METADATA:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        handler = _TORCH_FUNCTIONS.get(name)
         if handler is None:
-            raise UntraceableOp(f"torch.{getattr(func, '__name__', func)}")
+            raise UntraceableOp(f"torch.{name or func}")
         return handler(*args, **kwargs)
 
 
@@ -402,6 +396,9 @@ def _stack(tensors: Sequence[RegionTensor], dim: int = 0) -> RegionTensor:
 def _method(name: str) -> Callable[..., Any]:
     return lambda tensor, *args, **kwargs: getattr(RegionTensor, name)(tensor, *args, **kwargs)
 
+
+# Reading a tensor's metadata (``shape``, ``dtype``, ... go through ``__get__``) needs no tracing.
+_METADATA = frozenset({"__get__", "size", "dim", "numel", "__len__", "stride", "is_contiguous", "element_size"})
 
 _TORCH_FUNCTIONS: dict[str, Callable[..., Any]] = {
     "cat": _cat,
