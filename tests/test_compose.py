@@ -107,7 +107,7 @@ def test_chunk_then_fuse_back(llama):
     real = _check_traced_equals_real(composition, ckpt)
     assert torch.equal(real["model.layers.0.self_attn.k_proj.weight"], fused[12:24])
     composition = _compose(model, ckpt, [unfuse, refuse], final | {"model.layers.0.self_attn.qkv_proj.weight"})
-    assert composition.traced["model.layers.0.self_attn.qkv_proj.weight"].keys() == {"model.layers.0.self_attn.qkv.weight"}
+    assert composition.traced["model.layers.0.self_attn.qkv_proj.weight"].source_keys() == {"model.layers.0.self_attn.qkv.weight"}
     assert torch.equal(_check_traced_equals_real(composition, ckpt)["model.layers.0.self_attn.qkv_proj.weight"], fused)
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import math
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -51,7 +50,7 @@ class Opaque:
     dtype: torch.dtype
     sources: frozenset[str]
 
-    def keys(self) -> set[str]:
+    def source_keys(self) -> set[str]:
         return set(self.sources)
 
 
@@ -217,7 +216,7 @@ class Composition:
             raise
         except Exception as exc:  # the real op rejects these inputs: the mapping does not compose
             raise self._failure(group, inputs, exc) from exc
-        deps = frozenset().union(*(v.keys() for v in values))
+        deps = frozenset().union(*(v.source_keys() for v in values))
         return {name: Opaque(t.shape, t.dtype, deps) for name, t in shapes.items()}
 
     def _failure(self, group: Group, inputs: Mapping[str, Traced], exc: Exception) -> MappingError:
@@ -226,7 +225,7 @@ class Composition:
 
     def source_keys(self, name: str) -> set[str]:
         """Checkpoint keys final target ``name`` is made of."""
-        return self.traced[name].keys()
+        return self.traced[name].source_keys()
 
     def evaluate(self, names: Collection[str], fetch: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
         """Real values of final targets ``names``, from checkpoint tensors given by ``fetch``.

@@ -211,7 +211,7 @@ class RegionTensor(torch.Tensor):
     def __repr__(self, *args: Any, **kwargs: Any) -> str:
         return f"RegionTensor(shape={tuple(self.shape)}, pieces={len(self.pieces)})"
 
-    def keys(self) -> set[str]:
+    def source_keys(self) -> set[str]:
         """Checkpoint keys this tensor reads from."""
         return {p.key for p in self.pieces}
 
@@ -224,7 +224,7 @@ class RegionTensor(torch.Tensor):
         dim = self._norm(dim)
         if start < 0:
             start += self.shape[dim]
-        if not (0 <= start and length >= 0 and start + length <= self.shape[dim]):
+        if not (start >= 0 and length >= 0 and start + length <= self.shape[dim]):
             raise IndexError(f"narrow({dim}, {start}, {length}) outside shape {tuple(self.shape)}")
         pieces = []
         for piece in self.pieces:

@@ -1,0 +1,60 @@
+# hp-dcp-hf developer entry points. Needs only python3 (with venv + pip) and make.
+#   make demo   real multi-rank load of a checkpoint (the main job)
+#   make test   ruff + the whole pytest suite (what .ci/run runs)
+
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+PY     := $(BIN)/python
+# torch is pinned for the dev install and installed first, on its own: a bare `torch` requirement
+# resolved by pip could pull a multi-GB CUDA build; torch==2.13.0 is the CPU wheel here.
+TORCH_PIN ?= torch==2.13.0
+# Re-install whenever pyproject.toml changes; otherwise `make venv` is instant.
+STAMP  := $(VENV)/.hp-dcp-hf-installed
+PYTEST_ARGS ?=
+DEMO_ARGS ?=
+
+.DEFAULT_GOAL := help
+.PHONY: help venv test lint format demo clean distclean
+
+help:
+	@echo "make demo       multi-rank load demo ($(PY) -m hp_dcp_hf demo $(DEMO_ARGS))"
+	@echo "make test       ruff check + pytest -q tests/ (PYTEST_ARGS=... to pass more)"
+	@echo "make lint       ruff check"
+	@echo "make format     ruff format + ruff check --fix"
+	@echo "make venv       create $(VENV) and install the project with [test,demo] extras"
+	@echo "make clean      remove caches and build outputs (keeps $(VENV))"
+	@echo "make distclean  clean + remove $(VENV)"
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --upgrade pip
+	$(PY) -m pip install '$(TORCH_PIN)'
+	$(PY) -m pip install -e '.[test,demo]'
+	@touch $@
+
+lint: venv
+	$(BIN)/ruff check .
+
+format: venv
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+# pytest exits 5 when it collected no test: that is a failure here, not a pass.
+test: venv
+	$(BIN)/ruff check .
+	@rc=0; $(PY) -m pytest -q tests/ $(PYTEST_ARGS) || rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests -- failing" >&2; exit 1; fi; \
+	exit $$rc
+
+demo: venv
+	$(PY) -m hp_dcp_hf demo $(DEMO_ARGS)
+
+clean:
+	rm -rf build dist *.egg-info .pytest_cache .ruff_cache .hypothesis demo_out
+	find . -path ./$(VENV) -prune -o -type d -name __pycache__ -prune -exec rm -rf {} +
+
+distclean: clean
+	rm -rf $(VENV)

@@ -1,0 +1,71 @@
+"""The one-call form: ``load_hf_checkpoint(model, path)``."""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from typing import Any, Literal
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from transformers.core_model_loading import WeightTransform
+
+from hp_dcp_hf.errors import HPDCPHFError
+from hp_dcp_hf.planner import HFMappingPlanner, LoadReport
+from hp_dcp_hf.storage import HFStorageReader
+
+Loader = Literal["dcp", "legacy"]
+
+
+def load_hf_checkpoint(
+    model: nn.Module,
+    path: str,
+    *,
+    loader: Loader = "dcp",
+    weights_mapping: Sequence[WeightTransform] | None = None,
+    strict: bool = True,
+    external_target_fqns: Collection[str] = (),
+    claimed_source_keys: Collection[str] = (),
+    reader: HFStorageReader | None = None,
+    planner: HFMappingPlanner | None = None,
+    **reader_options: Any,
+) -> LoadReport:
+    """Load the Hugging Face checkpoint at ``path`` into ``model`` in place; every rank calls it.
+
+    ``loader="dcp"`` reads only the checkpoint regions this rank's shards need; ``"legacy"``
+    reads whole checkpoint tensors, converts them in memory and keeps the local part. Both give
+    bit-identical parameters. Errors raised inside ``dcp.load`` come back unwrapped, as the
+    :mod:`hp_dcp_hf.errors` type the failing rank raised.
+
+    ``reader`` and ``planner`` may be built by the caller, to read their statistics afterwards;
+    a given planner brings its own mapping options and ``loader`` choice (its ``trace``).
+    """
+    if loader not in ("dcp", "legacy"):
+        raise ValueError(f"loader must be 'dcp' or 'legacy', got {loader!r}")
+    planner = planner or HFMappingPlanner(
+        model,
+        weights_mapping=weights_mapping,
+        strict=strict,
+        external_target_fqns=external_target_fqns,
+        claimed_source_keys=claimed_source_keys,
+        trace=loader == "dcp",
+    )
+    reader = reader if reader is not None else HFStorageReader(path, **reader_options)
+    try:
+        dcp.load(
+            model.state_dict(),
+            storage_reader=reader,
+            planner=planner,
+            no_dist=not (dist.is_available() and dist.is_initialized()),
+        )
+    except CheckpointException as exc:
+        raise unwrap_checkpoint_exception(exc) from None
+    assert planner.report is not None
+    return planner.report
+
+
+def unwrap_checkpoint_exception(exc: CheckpointException) -> BaseException:
+    """The first rank's own error out of DCP's wrapper, preferring this package's typed errors."""
+    errors = [failure[0] if isinstance(failure, tuple) else failure for _, failure in sorted(exc.failures.items())]
+    return next((e for e in errors if isinstance(e, HPDCPHFError)), errors[0] if errors else exc)

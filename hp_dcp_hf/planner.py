@@ -1,0 +1,335 @@
+"""HFMappingPlanner: a DCP ``LoadPlanner`` that composes conversions with shard layouts.
+
+For every tensor of the model's state dict, the planner knows (from :class:`Composition`) which
+regions of which checkpoint tensors make it, and (from :mod:`hp_dcp_hf.layout`) which global boxes
+this rank holds. Their intersection is a list of :class:`ReadBlock` s, each one ``ReadItem`` whose
+storage side is a box of a checkpoint tensor and whose destination is a strided view of the local
+shard. Everything is validated in ``create_local_plan``, before the reader writes a byte.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import defaultdict
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.tensor import DTensor
+from transformers.core_model_loading import WeightTransform, dot_natural_key
+
+from hp_dcp_hf.errors import MappingError, MissingKeysError, PlanningError
+from hp_dcp_hf.layout import ShardPiece, local_shard_pieces
+from hp_dcp_hf.mapping.blocks import ReadBlock, read_blocks
+from hp_dcp_hf.mapping.compose import Composition, Opaque, TensorSpec
+from hp_dcp_hf.mapping.stages import model_stages
+
+logger = logging.getLogger(__name__)
+
+_STAGING_PREFIX = "hp_dcp_hf.staging/"
+
+
+def _sorted(names: Collection[str]) -> tuple[str, ...]:
+    return tuple(sorted(names, key=dot_natural_key))
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """What a load filled: tied aliases count as loaded when their shared tensor is."""
+
+    loaded_keys: tuple[str, ...]
+    missing_keys: tuple[str, ...]
+    unexpected_keys: tuple[str, ...]
+
+
+@dataclass
+class PlanStats:
+    """Deterministic counts of one rank's plan."""
+
+    targets: int = 0
+    read_items: int = 0
+    bytes_needed: int = 0
+    deferred_targets: int = 0
+    deferred_bytes: int = 0
+    bytes_by_key: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _Destination:
+    tensor: torch.Tensor
+    sizes: tuple[int, ...]
+    strides: tuple[int, ...]
+    offset: int
+
+    def view(self) -> torch.Tensor:
+        return self.tensor.as_strided(self.sizes, self.strides, self.offset)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _castable(source: torch.dtype, target: torch.dtype) -> bool:
+    """Float to float casts are normal (bf16 checkpoint into fp32 model); others must match kind."""
+    if source == target:
+        return True
+    if source.is_floating_point and target.is_floating_point:
+        return True
+    return not (source.is_floating_point or target.is_floating_point or torch.bool in (source, target))
+
+
+class HFMappingPlanner(LoadPlanner):
+    """Plan DCP reads of a Hugging Face checkpoint into a (parallelized, rewritten) model.
+
+    Args:
+        model: the model whose ``state_dict()`` is loaded. Its conversion mapping comes from
+            transformers (for a ``PreTrainedModel``) unless ``weights_mapping`` is given; the
+            stages recorded with :func:`hp_dcp_hf.add_weight_mapping` follow.
+        weights_mapping: the checkpoint -> canonical model mapping, instead of transformers' own.
+        strict: raise :class:`MissingKeysError` during planning when a model tensor is not made.
+        external_target_fqns: state dict keys another reader fills (neither loaded nor missing).
+        claimed_source_keys: checkpoint keys another reader consumes (never unexpected).
+        trace: read exactly the needed boxes (default). ``False`` is the legacy pattern: read whole
+            checkpoint tensors, convert in memory, keep the local part; the reference to compare with.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        weights_mapping: Sequence[WeightTransform] | None = None,
+        strict: bool = True,
+        external_target_fqns: Collection[str] = (),
+        claimed_source_keys: Collection[str] = (),
+        trace: bool = True,
+    ) -> None:
+        self.model = model
+        self.trace = trace
+        self.weights_mapping = weights_mapping
+        self.strict = strict
+        self.external_target_fqns = frozenset(external_target_fqns)
+        self.claimed_source_keys = frozenset(claimed_source_keys)
+        self.report: LoadReport | None = None
+        self.stats = PlanStats()
+        self.composition: Composition | None = None
+        self.filled: tuple[str, ...] = ()  # the state dict keys written (one per tied group)
+        self._destinations: dict[ReadItem, _Destination] = {}
+        self._staging: dict[str, torch.Tensor] = {}
+        self._waiting: dict[str, set[str]] = {}  # deferred target -> checkpoint keys still being read
+        self._deferred: dict[str, tuple[torch.Tensor, tuple[ShardPiece, ...], frozenset[str]]] = {}
+        self._lock = threading.Lock()
+        self.written_targets: set[str] = set()
+
+    # -- DCP protocol -------------------------------------------------------------------------
+    def set_up_planner(
+        self, state_dict: dict[str, Any], metadata: Metadata | None = None, is_coordinator: bool = False
+    ) -> None:
+        if metadata is None:
+            raise PlanningError("HFMappingPlanner needs the checkpoint metadata (use HFStorageReader)")
+        self.state_dict = state_dict
+        self.metadata = metadata
+        self.is_coordinator = is_coordinator
+
+    def create_local_plan(self) -> LoadPlan:
+        items = self.plan_reads(self.state_dict, self.metadata)
+        return LoadPlan(items)
+
+    def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
+        return global_plan
+
+    def finish_plan(self, central_plan: LoadPlan) -> LoadPlan:
+        return central_plan
+
+    def load_bytes(self, read_item: ReadItem, value: Any) -> None:
+        raise PlanningError("a safetensors checkpoint holds no byte items", key=read_item.storage_index.fqn)
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        staging_key = read_item.dest_index.fqn.removeprefix(_STAGING_PREFIX)
+        if staging_key != read_item.dest_index.fqn:
+            with self._lock:
+                if staging_key not in self._staging:
+                    spec = self.metadata.state_dict_metadata[staging_key]
+                    self._staging[staging_key] = torch.empty(tuple(spec.size), dtype=spec.properties.dtype)
+                return self._staging[staging_key]
+        return self._destinations[read_item].view()
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        staging_key = read_item.dest_index.fqn.removeprefix(_STAGING_PREFIX)
+        if staging_key == read_item.dest_index.fqn:
+            with self._lock:
+                self.written_targets.add(read_item.dest_index.fqn)
+            return
+        with self._lock:
+            ready = []
+            for target, waiting in self._waiting.items():
+                waiting.discard(staging_key)
+                if not waiting:
+                    ready.append(target)
+            for target in ready:
+                del self._waiting[target]
+        for target in ready:
+            self._finish_deferred(target)
+
+    # -- planning -----------------------------------------------------------------------------
+    def plan_reads(self, state_dict: Mapping[str, Any], metadata: Metadata) -> list[ReadItem]:
+        """Validate everything and return this rank's ReadItems (no byte is read or written)."""
+        sources = {
+            key: TensorSpec(tuple(md.size), md.properties.dtype)
+            for key, md in metadata.state_dict_metadata.items()
+            if isinstance(md, TensorStorageMetadata) and key not in self.claimed_source_keys
+        }
+        unknown = self.external_target_fqns - set(state_dict)
+        if unknown:
+            raise PlanningError(f"external targets absent from the model: {_sorted(unknown)}")
+        aliases = self._alias_groups(state_dict)
+        wanted = {name for name in state_dict if name not in self.external_target_fqns}
+        config = getattr(self.model, "config", None)
+        composition = Composition(
+            model_stages(self.model, self.weights_mapping),
+            sources,
+            wanted,
+            model=self.model,
+            config=config,
+            base_model_prefix=getattr(self.model, "base_model_prefix", None),
+            trace=self.trace,
+        )
+        self.composition = composition
+
+        fill: list[str] = []  # one made name per alias group: writing it writes every alias
+        loaded, missing = set(), set()
+        for group in aliases:
+            made = [n for n in group if n in composition.traced]
+            if made:
+                fill.append(made[0])
+                loaded.update(group)
+            else:
+                missing.update(group)
+        self.filled = _sorted(fill)
+        self._validate(composition, state_dict, fill, sources)
+        if missing and self.strict:
+            raise MissingKeysError(f"the checkpoint makes no value for {len(missing)} model tensors: "
+                                   f"{list(_sorted(missing))}")
+        used = set().union(*(composition.source_keys(n) for n in fill))
+        self.report = LoadReport(_sorted(loaded), _sorted(missing), _sorted(set(sources) - used))
+        items = self._make_items(composition, state_dict, fill, sources)
+        if isinstance(self.model, nn.Module):
+            self.model._weight_conversions = composition.used_transforms
+        return items
+
+    def _alias_groups(self, state_dict: Mapping[str, Any]) -> list[tuple[str, ...]]:
+        """State dict keys grouped by the tensor they share (tied weights)."""
+        ids: dict[str, int] = {}
+        if isinstance(self.model, nn.Module):
+            for name, tensor in (*self.model.named_parameters(remove_duplicate=False),
+                                 *self.model.named_buffers(remove_duplicate=False)):
+                ids[name] = id(tensor)
+        groups: dict[Any, list[str]] = defaultdict(list)
+        for name in state_dict:
+            if name not in self.external_target_fqns:
+                groups[ids.get(name, name)].append(name)
+        return [tuple(sorted(g, key=dot_natural_key)) for g in groups.values()]
+
+    def _validate(self, composition: Composition, state_dict, fill: Sequence[str], sources) -> None:
+        problems = []
+        for target in fill:
+            tensor = state_dict[target]
+            traced = composition.traced[target]
+            if tuple(traced.shape) != tuple(tensor.shape):
+                problems.append(f"{target}: model expects {tuple(tensor.shape)}, checkpoint makes "
+                                f"{tuple(traced.shape)} from {sorted(traced.source_keys())}")
+                continue
+            for key in traced.source_keys():
+                if not _castable(sources[key].dtype, tensor.dtype):
+                    problems.append(f"{target}: cannot cast {key} ({sources[key].dtype}) to {tensor.dtype}")
+            if not isinstance(traced, Opaque) and sum(p.numel for p in traced.pieces) != tensor.numel():
+                problems.append(f"{target}: the conversion covers {sum(p.numel for p in traced.pieces)} "
+                                f"of {tensor.numel()} elements")
+        if problems:
+            raise MappingError(f"{len(problems)} model tensors do not match the checkpoint:\n  "
+                               + "\n  ".join(problems))
+
+    def _make_items(self, composition: Composition, state_dict, fill, sources) -> list[ReadItem]:
+        items: list[ReadItem] = []
+        staged: set[str] = set()
+        source_ndim = {key: len(spec.shape) for key, spec in sources.items()}
+        stats = PlanStats()
+        for target in _sorted(fill):
+            tensor = state_dict[target]
+            pieces = local_shard_pieces(tensor, key=target)
+            if not any(p.global_box.numel for p in pieces):
+                continue
+            stats.targets += 1
+            traced = composition.traced[target]
+            if isinstance(traced, Opaque):
+                self._waiting[target] = set(traced.sources)
+                self._deferred[target] = (tensor, pieces, traced.sources)
+                stats.deferred_targets += 1
+                for key in sorted(traced.sources - staged):
+                    staged.add(key)
+                    spec = sources[key]
+                    shape = torch.Size(spec.shape)
+                    items.append(self._item(_STAGING_PREFIX + key, (0,) * len(shape), key, (0,) * len(shape), shape))
+                    nbytes = shape.numel() * spec.dtype.itemsize
+                    stats.deferred_bytes += nbytes
+                    stats.bytes_by_key[key] = stats.bytes_by_key.get(key, 0) + nbytes
+                continue
+            local = _local(tensor)
+            for piece in pieces:
+                for block in read_blocks(traced, piece.global_box, piece.local_offsets, source_ndim):
+                    item = self._item(target, block.origin, block.key, block.source_box.offsets,
+                                      torch.Size(block.source_box.sizes))
+                    self._destinations[item] = self._destination(local, block)
+                    items.append(item)
+                    nbytes = block.numel * sources[block.key].dtype.itemsize
+                    stats.bytes_by_key[block.key] = stats.bytes_by_key.get(block.key, 0) + nbytes
+        stats.read_items = len(items)
+        stats.bytes_needed = sum(stats.bytes_by_key.values())
+        self.stats = stats
+        if stats.deferred_targets and self.trace:
+            logger.warning("%d targets need conversions that cannot be traced; %d bytes are read whole "
+                           "and converted in memory", stats.deferred_targets, stats.deferred_bytes)
+        return items
+
+    @staticmethod
+    def _item(dest: str, dest_offsets, key: str, offsets, lengths: torch.Size) -> ReadItem:
+        return ReadItem(
+            type=LoadItemType.TENSOR,
+            dest_index=MetadataIndex(dest, dest_offsets),
+            dest_offsets=torch.Size(dest_offsets),
+            storage_index=MetadataIndex(key, offsets),
+            storage_offsets=torch.Size(offsets),
+            lengths=lengths,
+        )
+
+    @staticmethod
+    def _destination(local: torch.Tensor, block: ReadBlock) -> _Destination:
+        strides = local.stride()
+        return _Destination(
+            local,
+            tuple(a.size for a in block.view),
+            tuple(a.step * strides[a.dim] for a in block.view),
+            local.storage_offset() + sum(o * s for o, s in zip(block.origin, strides)),
+        )
+
+    def _finish_deferred(self, target: str) -> None:
+        """All sources of a deferred target are staged: run the real conversion, keep the local part."""
+        assert self.composition is not None
+        value = self.composition.evaluate([target], self._staging.__getitem__)[target]
+        tensor, pieces, _ = self._deferred[target]
+        local = _local(tensor)
+        with torch.no_grad():
+            for piece in pieces:
+                dest = local[tuple(slice(o, o + s) for o, s in zip(piece.local_offsets, piece.global_box.sizes))]
+                dest.copy_(value[piece.global_box.slices()])
+        with self._lock:
+            self.written_targets.add(target)
+            del self._deferred[target]
+            still_needed = set().union(*(sources for _, _, sources in self._deferred.values()))
+            for key in list(self._staging):
+                if key not in still_needed:
+                    del self._staging[key]

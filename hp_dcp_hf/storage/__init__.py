@@ -1,0 +1,37 @@
+"""Bytes of safetensors checkpoints: locate files, validate headers, read exact byte ranges."""
+
+from hp_dcp_hf.storage.catalog import INDEX_FILE, Catalog, find_files, parse_index, scan
+from hp_dcp_hf.storage.dtypes import SAFETENSORS_DTYPES, SafetensorsDtype, lookup_dtype
+from hp_dcp_hf.storage.header import MAX_HEADER_BYTES, FileHeader, TensorEntry, parse_header, read_header
+from hp_dcp_hf.storage.location import CheckpointLocation, RangeFile, filesystem, locate
+from hp_dcp_hf.storage.ranges import Piece, Request, box_byte_ranges, coalesce, split_box
+from hp_dcp_hf.storage.reader import HFStorageReader
+from hp_dcp_hf.storage.stats import FileStats, ReadStats
+
+__all__ = [
+    "INDEX_FILE",
+    "MAX_HEADER_BYTES",
+    "SAFETENSORS_DTYPES",
+    "Catalog",
+    "CheckpointLocation",
+    "FileHeader",
+    "FileStats",
+    "HFStorageReader",
+    "Piece",
+    "RangeFile",
+    "ReadStats",
+    "Request",
+    "SafetensorsDtype",
+    "TensorEntry",
+    "box_byte_ranges",
+    "coalesce",
+    "filesystem",
+    "find_files",
+    "locate",
+    "lookup_dtype",
+    "parse_header",
+    "parse_index",
+    "read_header",
+    "scan",
+    "split_box",
+]

@@ -1,0 +1,79 @@
+"""Rank 0 computes some bytes once; every rank gets them, or every rank gets its error.
+
+Used for checkpoint metadata: on N ranks, N readers of every header is N times the requests (and,
+on object stores, the bill) for the same answer. The bytes travel as a uint8 tensor in two
+broadcasts on the default group (length, then payload); nothing is pickled. When rank 0 fails, it
+broadcasts the error instead, so the other ranks raise too rather than wait forever.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from hp_dcp_hf import errors
+from hp_dcp_hf.errors import HPDCPHFError, StorageReadError
+
+_OK, _ERROR = 0, 1
+
+
+def should_broadcast() -> bool:
+    """True when a default process group of more than one rank is up."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _device() -> torch.device:
+    # NCCL only moves CUDA tensors; gloo (and mixed "cpu:gloo,cuda:nccl" groups) take CPU ones.
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _encode_error(error: BaseException) -> bytes:
+    if isinstance(error, HPDCPHFError):
+        fields = {"type": type(error).__name__, "reason": error.reason, "file": error.file, "key": error.key}
+    else:
+        fields = {
+            "type": StorageReadError.__name__,
+            "reason": f"{type(error).__name__}: {error}",
+            "file": None,
+            "key": None,
+        }
+    return json.dumps(fields).encode()
+
+
+def _decode_error(raw: bytes) -> HPDCPHFError:
+    fields = json.loads(raw)
+    cls = getattr(errors, fields["type"], StorageReadError)
+    return cls(f"on rank 0: {fields['reason']}", file=fields["file"], key=fields["key"])
+
+
+def _broadcast(payload: bytes | None) -> bytes:
+    device = _device()
+    length = torch.tensor([len(payload) if payload is not None else 0], dtype=torch.int64, device=device)
+    dist.broadcast(length, src=0)
+    if payload is not None:
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
+    else:
+        data = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
+    dist.broadcast(data, src=0)
+    return data.cpu().numpy().tobytes()
+
+
+def share_from_rank0(produce: Callable[[], bytes]) -> bytes:
+    """``produce()`` run on rank 0 alone and its bytes returned on every rank; errors raise on all."""
+    if dist.get_rank() != 0:
+        message = _broadcast(None)
+        if message[0] == _ERROR:
+            raise _decode_error(message[1:])
+        return message[1:]
+    try:
+        payload = produce()
+    except Exception as error:
+        _broadcast(bytes([_ERROR]) + _encode_error(error))
+        raise
+    _broadcast(bytes([_OK]) + payload)
+    return payload

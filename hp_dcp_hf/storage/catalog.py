@@ -1,0 +1,166 @@
+"""What a checkpoint holds: its safetensors files, every tensor and where it lives.
+
+A checkpoint is a single ``.safetensors`` file, a directory with ``model.safetensors.index.json``
+(its ``weight_map`` says which file holds which key), or a directory of ``*.safetensors`` files.
+The index is not trusted: the files it names must stay inside the directory and exist, and after
+the headers are read every key must sit in the file the index says, and nothing else may. A key in
+two files is an error, since either choice would be a silent guess. Pickle checkpoints are refused.
+
+A :class:`Catalog` round-trips through JSON so that one rank can read every header and hand the
+result to the others (never pickle: the bytes cross process boundaries).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from hp_dcp_hf.errors import CheckpointFormatError, CheckpointNotFoundError, UnsafeCheckpointError
+from hp_dcp_hf.storage.dtypes import lookup_dtype
+from hp_dcp_hf.storage.header import MAX_HEADER_BYTES, FileHeader, TensorEntry, loads_json_object, read_header
+from hp_dcp_hf.storage.location import CheckpointLocation
+from hp_dcp_hf.storage.stats import ReadStats
+
+INDEX_FILE = "model.safetensors.index.json"
+SAFETENSORS_SUFFIX = ".safetensors"
+_UNSAFE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+_CONVERT_HINT = (
+    "pickle checkpoints are never loaded (unpickling runs arbitrary code); convert it to safetensors, "
+    "e.g. model.save_pretrained(dir, safe_serialization=True) or the Hub's safetensors convert space"
+)
+
+
+def _is_unsafe(name: str) -> bool:
+    return name.endswith(_UNSAFE_SUFFIXES) or name.startswith("pytorch_model")
+
+
+@dataclass(frozen=True)
+class Catalog:
+    """Every tensor of a checkpoint by key; file names are relative to ``root``."""
+
+    root: str
+    files: tuple[str, ...]
+    entries: Mapping[str, TensorEntry]
+
+    def to_json(self) -> bytes:
+        entries = [
+            [e.key, e.file, e.dtype_name, list(e.shape), e.data_start, e.nbytes]
+            for e in self.entries.values()
+        ]
+        return json.dumps({"root": self.root, "files": list(self.files), "entries": entries}).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> Catalog:
+        data = json.loads(raw)
+        entries = {
+            key: TensorEntry(
+                key, file, name, lookup_dtype(name, file=file, key=key).torch_dtype, tuple(shape), start, n
+            )
+            for key, file, name, shape, start, n in data["entries"]
+        }
+        return cls(data["root"], tuple(data["files"]), entries)
+
+
+def _check_index_file_name(name: object, key: str) -> str:
+    """``name`` if it is a plain relative path of a ``.safetensors`` file inside the directory."""
+    if not isinstance(name, str):
+        raise CheckpointFormatError(f"weight_map value {name!r} is not a string", file=INDEX_FILE, key=key)
+    parts = name.split("/")
+    # "", ".", ".." parts catch absolute paths, "a//b" and any way up; ":" catches URLs and drives.
+    if "\\" in name or any(part in ("", ".", "..") or ":" in part for part in parts):
+        raise CheckpointFormatError(
+            f"weight_map names {name!r}, which is not a plain path inside the checkpoint directory",
+            file=INDEX_FILE,
+            key=key,
+        )
+    if _is_unsafe(name):
+        raise UnsafeCheckpointError(f"weight_map names {name!r}: {_CONVERT_HINT}", file=INDEX_FILE, key=key)
+    if not name.endswith(SAFETENSORS_SUFFIX):
+        raise CheckpointFormatError(
+            f"weight_map names {name!r}, not a .safetensors file", file=INDEX_FILE, key=key
+        )
+    return name
+
+
+def parse_index(raw: bytes) -> dict[str, str]:
+    """The ``weight_map`` of an index file's bytes: key -> file name, every name checked."""
+    index = loads_json_object(raw, file=INDEX_FILE)
+    weight_map = index.get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise CheckpointFormatError("index has no weight_map object", file=INDEX_FILE)
+    return {key: _check_index_file_name(name, key) for key, name in weight_map.items()}
+
+
+def _read_index(location: CheckpointLocation, stats: ReadStats) -> dict[str, str]:
+    size = location.size(INDEX_FILE)
+    if size > MAX_HEADER_BYTES:
+        raise CheckpointFormatError(f"{size} bytes exceeds the {MAX_HEADER_BYTES}-byte cap", file=INDEX_FILE)
+    with location.open(INDEX_FILE) as handle:
+        raw = handle.read(0, size)
+    stats.add(INDEX_FILE, header_bytes=size, header_requests=1)
+    return parse_index(raw)
+
+
+def find_files(
+    location: CheckpointLocation, single_file: str | None, stats: ReadStats
+) -> tuple[tuple[str, ...], dict[str, str] | None]:
+    """The safetensors files of the checkpoint and, when it has an index, its weight_map."""
+    if single_file is not None:
+        if single_file.endswith(SAFETENSORS_SUFFIX):
+            return (single_file,), None
+        if _is_unsafe(single_file):
+            raise UnsafeCheckpointError(_CONVERT_HINT, file=single_file)
+        raise CheckpointFormatError("not a .safetensors file", file=single_file)
+    names = location.list_files()
+    if INDEX_FILE in names:
+        weight_map = _read_index(location, stats)
+        files = tuple(sorted(set(weight_map.values())))
+        for file in files:
+            if not location.exists(file):
+                key = next(k for k, f in weight_map.items() if f == file)
+                raise CheckpointNotFoundError(f"{INDEX_FILE} maps keys to a missing file", file=file, key=key)
+        return files, weight_map
+    files = tuple(name for name in names if name.endswith(SAFETENSORS_SUFFIX))
+    if files:
+        return files, None
+    if any(_is_unsafe(name) for name in names):
+        raise UnsafeCheckpointError(_CONVERT_HINT, file=location.root)
+    raise CheckpointNotFoundError("directory holds no .safetensors files", file=location.root)
+
+
+def _collect(headers: list[FileHeader], weight_map: Mapping[str, str] | None) -> dict[str, TensorEntry]:
+    """key -> entry over all files, refusing duplicates and disagreements with the index."""
+    entries: dict[str, TensorEntry] = {}
+    for header in headers:
+        for entry in header.entries:
+            if entry.key in entries:
+                raise CheckpointFormatError(
+                    f"key is in both {entries[entry.key].file!r} and {entry.file!r}",
+                    file=entry.file,
+                    key=entry.key,
+                )
+            if weight_map is not None and entry.key not in weight_map:
+                raise CheckpointFormatError(
+                    f"file holds a key {INDEX_FILE} does not list", file=entry.file, key=entry.key
+                )
+            entries[entry.key] = entry
+    for key, file in (weight_map or {}).items():
+        found = entries.get(key)
+        if found is None or found.file != file:
+            where = f"it is in {found.file!r}" if found else "no file holds it"
+            raise CheckpointFormatError(
+                f"{INDEX_FILE} maps the key to this file but {where}", file=file, key=key
+            )
+    return entries
+
+
+def scan(
+    location: CheckpointLocation, single_file: str | None, stats: ReadStats, num_threads: int = 8
+) -> Catalog:
+    """Find the files, read every header (``num_threads`` at a time) and cross-check them."""
+    files, weight_map = find_files(location, single_file, stats)
+    with ThreadPoolExecutor(max(1, min(num_threads, len(files)))) as pool:
+        headers = list(pool.map(lambda file: read_header(location, file, stats), files))
+    return Catalog(location.root, files, _collect(headers, weight_map))

@@ -1,0 +1,107 @@
+"""Boxes of row-major tensors as byte ranges, and coalescing of ranges into read requests.
+
+Pure index arithmetic (no I/O, no torch.distributed), so it is tested against real bytes in
+isolation. A box is contiguous in memory when every dim after the last one it cuts (``size <
+shape``) is full; then it is one range. Otherwise it is one run per index of the dims before that
+one, and these runs never touch (the cut dim leaves a hole between them), so no merging is needed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from hp_dcp_hf.box import Box
+
+
+def box_byte_ranges(shape: Sequence[int], itemsize: int, box: Box) -> list[tuple[int, int]]:
+    """``[start, end)`` byte ranges (relative to the tensor's first byte) of ``box``, in row-major order."""
+    if len(shape) != box.ndim or not Box.full(shape).contains(box):
+        raise ValueError(f"box {box} is not inside a tensor of shape {tuple(shape)}")
+    if box.is_empty():
+        return []
+    cut = [d for d in range(box.ndim) if box.sizes[d] < shape[d]]
+    if not cut:
+        return [(0, math.prod(shape) * itemsize)]
+    last = cut[-1]
+    strides = [math.prod(shape[d + 1 :]) * itemsize for d in range(len(shape))]
+    run = box.sizes[last] * strides[last]
+    # Start of every run: the outer dims' indices, expanded in row-major order.
+    starts = np.array([box.offsets[last] * strides[last]], dtype=np.int64)
+    for d in range(last - 1, -1, -1):
+        rows = np.arange(box.offsets[d], box.ends[d], dtype=np.int64) * strides[d]
+        starts = (rows[:, None] + starts[None, :]).ravel()
+    return [(s, s + run) for s in starts.tolist()]
+
+
+def split_box(box: Box, itemsize: int, max_bytes: int) -> list[Box]:
+    """``box`` cut along its outer dims into row-major sub-boxes of at most ``max_bytes`` each.
+
+    Bounds the staging memory of one read: a tensor bigger than the budget is read a block of rows
+    at a time, and a single row bigger than the budget is cut along the next dim, and so on.
+    """
+    if box.numel * itemsize <= max_bytes or box.ndim == 0:
+        return [box]
+    if max_bytes < itemsize:
+        raise ValueError(f"budget of {max_bytes} bytes is smaller than one {itemsize}-byte element")
+    dim = next(d for d in range(box.ndim) if box.sizes[d] > 1)
+    slab = box.numel // box.sizes[dim] * itemsize
+    step = max(1, max_bytes // slab)
+    parts: list[Box] = []
+    for lo in range(0, box.sizes[dim], step):
+        size = min(step, box.sizes[dim] - lo)
+        offsets = (*box.offsets[:dim], box.offsets[dim] + lo, *box.offsets[dim + 1 :])
+        sizes = (*box.sizes[:dim], size, *box.sizes[dim + 1 :])
+        parts.extend(split_box(Box(offsets, sizes), itemsize, max_bytes))
+    return parts
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Bytes ``[start, end)`` of a file, destined for ``owner``'s buffer at byte ``offset``."""
+
+    start: int
+    end: int
+    owner: int
+    offset: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class Request:
+    """One read of ``[start, end)``: its pieces in file order, separated by gaps read and dropped."""
+
+    start: int
+    end: int
+    pieces: tuple[Piece, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+def coalesce(pieces: Iterable[Piece], gap: int = 0) -> list[Request]:
+    """Pieces merged into requests, in file order.
+
+    Neighbours separated by at most ``gap`` bytes share one request (the gap is read and dropped:
+    fewer, larger requests pay off on object stores). Overlapping pieces go to separate requests,
+    so that every request reads each of its bytes into exactly one place.
+    """
+    if gap < 0:
+        raise ValueError(f"coalescing gap must be >= 0, got {gap}")
+    requests: list[Request] = []
+    current: list[Piece] = []
+    for piece in sorted(pieces, key=lambda p: (p.start, p.end)):
+        if current and not 0 <= piece.start - current[-1].end <= gap:
+            requests.append(Request(current[0].start, current[-1].end, tuple(current)))
+            current = []
+        current.append(piece)
+    if current:
+        requests.append(Request(current[0].start, current[-1].end, tuple(current)))
+    return requests

@@ -1,0 +1,356 @@
+"""``HFStorageReader``: a DCP ``StorageReader`` that reads only the bytes of a safetensors
+checkpoint each rank's plan needs.
+
+Metadata: rank 0 reads the index and every header (ranged reads) and broadcasts them as JSON; the
+DCP metadata has one whole-tensor chunk per checkpoint key, so any planner's read items are boxes
+of checkpoint tensors. Data: each item's box becomes byte ranges, ranges are cut to the staging
+budget, packed into per-file batches, coalesced into requests and read by a thread pool. When the
+destination is a contiguous CPU tensor of the checkpoint dtype, the bytes land in it directly
+(``os.preadv`` on local files); otherwise they go through a staging buffer and ``copy_`` (which
+casts and writes through non-contiguous views).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import uuid
+from collections import defaultdict
+from collections.abc import Callable, Mapping
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
+
+from hp_dcp_hf.box import Box
+from hp_dcp_hf.errors import HPDCPHFError, PlanningError, StorageReadError
+from hp_dcp_hf.storage.broadcast import share_from_rank0, should_broadcast
+from hp_dcp_hf.storage.catalog import Catalog, find_files, scan
+from hp_dcp_hf.storage.header import TensorEntry
+from hp_dcp_hf.storage.location import CheckpointLocation, RangeFile, filesystem, locate
+from hp_dcp_hf.storage.ranges import Piece, Request, box_byte_ranges, coalesce, split_box
+from hp_dcp_hf.storage.stats import ReadStats
+
+_ALIGN = 16
+"""Staged chunks start at multiples of this, so a byte slice can be viewed as any dtype."""
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    """A part of one read item small enough for the staging budget, with where its bytes go."""
+
+    item: int
+    entry: TensorEntry
+    box: Box
+    dest: torch.Tensor
+    ranges: tuple[tuple[int, int], ...]
+
+    @property
+    def nbytes(self) -> int:
+        return self.box.numel * self.entry.itemsize
+
+    @property
+    def direct(self) -> bool:
+        """The destination's own memory can receive the file bytes as they are."""
+        d = self.dest
+        return (
+            type(d) is torch.Tensor
+            and d.device.type == "cpu"
+            and d.dtype == self.entry.dtype
+            and d.is_contiguous()
+        )
+
+
+def _byte_view(tensor: torch.Tensor) -> memoryview:
+    """The writable bytes of a contiguous CPU tensor (any dtype, 0-d included)."""
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+
+
+def _request_views(request: Request, buffers: list[memoryview], scratch: memoryview) -> list[memoryview]:
+    """The buffers ``request``'s bytes fill, in file order; gaps land in ``scratch`` and are dropped."""
+    views, position = [], request.start
+    for piece in request.pieces:
+        if piece.start > position:
+            views.append(scratch[: piece.start - position])
+        views.append(buffers[piece.owner][piece.offset : piece.offset + piece.nbytes])
+        position = piece.end
+    return views
+
+
+class HFStorageReader(StorageReader):
+    """Loads a Hugging Face safetensors checkpoint through ``torch.distributed.checkpoint``.
+
+    ``path``: a ``.safetensors`` file or a directory (with or without
+    ``model.safetensors.index.json``), as a local path or any fsspec URL; ``storage_options`` and
+    ``fs_kwargs`` go to the fsspec filesystem. ``coalesce_gap``: neighbouring byte ranges at most
+    this far apart are read in one request (gap bytes are read and dropped). ``num_threads``: reads
+    in flight. ``staging_bytes``: the most memory reads in flight may hold for staging; a larger
+    tensor is read a block of rows at a time. ``broadcast_metadata``: in a process group, rank 0
+    alone reads the headers and broadcasts them (every rank must then call ``read_metadata``,
+    which ``dcp.load`` does).
+
+    After a load, ``entries`` maps every checkpoint key to its :class:`TensorEntry` and ``stats``
+    counts what was read (reset by :meth:`reset`).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        storage_options: Mapping[str, Any] | None = None,
+        coalesce_gap: int = 0,
+        num_threads: int = 8,
+        staging_bytes: int = 64 * 2**20,
+        broadcast_metadata: bool = True,
+        **fs_kwargs: Any,
+    ) -> None:
+        super().__init__()
+        if coalesce_gap < 0 or num_threads < 1 or staging_bytes < _ALIGN * num_threads:
+            raise ValueError(
+                f"need coalesce_gap >= 0, num_threads >= 1 and staging_bytes >= {_ALIGN} per thread; got "
+                f"{coalesce_gap}, {num_threads}, {staging_bytes}"
+            )
+        self.storage_options = {**(storage_options or {}), **fs_kwargs}
+        self.coalesce_gap = coalesce_gap
+        self.num_threads = num_threads
+        self.staging_bytes = staging_bytes
+        self.broadcast_metadata = broadcast_metadata
+        self.reset(path)
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        """Start a new load (of ``checkpoint_id`` when given): forget entries, zero the stats."""
+        if checkpoint_id:
+            self.path = os.fspath(checkpoint_id)
+            self._fs, self._fspath = filesystem(self.path, self.storage_options)
+        self.entries: dict[str, TensorEntry] = {}
+        self.stats = ReadStats()
+        self.load_id = str(uuid.uuid4())
+        self._location: CheckpointLocation | None = None
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.path
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        """True when ``checkpoint_id`` is a safetensors file or a directory holding them."""
+        try:
+            location, single_file = locate(*filesystem(checkpoint_id))
+            find_files(location, single_file, ReadStats())
+        except (HPDCPHFError, OSError):
+            return False
+        return True
+
+    # -- metadata -------------------------------------------------------------------------------
+
+    def _scan(self) -> Catalog:
+        location, single_file = locate(self._fs, self._fspath)
+        return scan(location, single_file, self.stats, self.num_threads)
+
+    def read_metadata(self) -> Metadata:
+        """One whole-tensor chunk per checkpoint key, read once on rank 0 when in a process group."""
+        if self.broadcast_metadata and should_broadcast():
+            scanned: list[Catalog] = []
+
+            def produce() -> bytes:
+                scanned.append(self._scan())
+                return scanned[0].to_json()
+
+            raw = share_from_rank0(produce)
+            catalog = scanned[0] if scanned else Catalog.from_json(raw)
+        else:
+            catalog = self._scan()
+        self._location = CheckpointLocation(self._fs, catalog.root)
+        self.entries = dict(catalog.entries)
+        state_dict_metadata: dict[str, Any] = {}
+        storage_data: dict[MetadataIndex, TensorEntry] = {}
+        for key, entry in self.entries.items():
+            origin = torch.Size([0] * len(entry.shape))
+            state_dict_metadata[key] = TensorStorageMetadata(
+                properties=TensorProperties(dtype=entry.dtype),
+                size=torch.Size(entry.shape),
+                chunks=[ChunkStorageMetadata(offsets=origin, sizes=torch.Size(entry.shape))],
+            )
+            # DCP's planners look chunks up as MetadataIndex(fqn, chunk offsets).
+            storage_data[MetadataIndex(key, origin)] = entry
+        return Metadata(
+            state_dict_metadata=state_dict_metadata,
+            storage_data=storage_data,
+            storage_meta=StorageMeta(checkpoint_id=self.path, load_id=self.load_id),
+        )
+
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
+        if self._location is None:
+            raise PlanningError("read_metadata() must run before set_up_storage_reader()", file=self.path)
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    # -- data -----------------------------------------------------------------------------------
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Read every item of ``plan`` into ``planner.resolve_tensor(item)``, then commit it."""
+        if self._location is None:
+            raise PlanningError("read_metadata() must run before read_data()", file=self.path)
+        chunk_budget = self.staging_bytes // self.num_threads
+        chunks: list[_Chunk] = []
+        dests: list[torch.Tensor] = []
+        for index, item in enumerate(plan.items):
+            dests.append(self._resolve(item, planner))
+            chunks.extend(self._chunks(index, item, dests[-1], chunk_budget))
+        remaining: dict[int, int] = defaultdict(int)
+        for chunk in chunks:
+            remaining[chunk.item] += 1
+        for index, item in enumerate(plan.items):
+            if not remaining[index]:
+                planner.commit_tensor(item, dests[index])
+        lock = threading.Lock()
+
+        def finish(batch: list[_Chunk]) -> None:
+            for chunk in batch:
+                with lock:
+                    remaining[chunk.item] -= 1
+                    done = not remaining[chunk.item]
+                if done:
+                    planner.commit_tensor(plan.items[chunk.item], dests[chunk.item])
+
+        with ThreadPoolExecutor(self.num_threads) as pool:
+            futures = [
+                pool.submit(self._read_batch, self._location, batch, finish)
+                for batch in _batches(chunks, chunk_budget)
+            ]
+            completed, _ = wait(futures, return_when=FIRST_EXCEPTION)
+            failed = [f for f in completed if f.exception() is not None]
+            if failed:
+                for f in futures:
+                    f.cancel()
+                raise failed[0].exception()  # type: ignore[misc]
+        future: Future[None] = Future()
+        future.set_result(None)
+        return future
+
+    def _resolve(self, item: ReadItem, planner: LoadPlanner) -> torch.Tensor:
+        key = item.storage_index.fqn
+        if item.type != LoadItemType.TENSOR:
+            raise PlanningError(
+                f"read item of type {item.type.name}: safetensors holds tensors only", key=key
+            )
+        dest = planner.resolve_tensor(item).detach()
+        if tuple(dest.shape) != tuple(item.lengths):
+            raise PlanningError(
+                f"destination shape {tuple(dest.shape)} != read lengths {tuple(item.lengths)}", key=key
+            )
+        return dest
+
+    def _chunks(self, index: int, item: ReadItem, dest: torch.Tensor, budget: int) -> list[_Chunk]:
+        key = item.storage_index.fqn
+        entry = self.entries.get(key)
+        if entry is None:
+            raise PlanningError("the plan reads a key the checkpoint does not have", file=self.path, key=key)
+        box = Box(tuple(item.storage_offsets), tuple(item.lengths))
+        if box.ndim != len(entry.shape) or not Box.full(entry.shape).contains(box):
+            raise PlanningError(
+                f"read box {box} is outside the tensor of shape {entry.shape}", file=entry.file, key=key
+            )
+        if box.is_empty():
+            return []
+        chunks = []
+        for part in split_box(box, entry.itemsize, budget):
+            ranges = box_byte_ranges(entry.shape, entry.itemsize, part)
+            chunks.append(
+                _Chunk(
+                    item=index,
+                    entry=entry,
+                    box=part,
+                    dest=dest[part.relative_to(box.offsets).slices()],
+                    ranges=tuple((entry.data_start + s, entry.data_start + e) for s, e in ranges),
+                )
+            )
+        return chunks
+
+    def _read_batch(
+        self, location: CheckpointLocation, batch: list[_Chunk], finish: Callable[[list[_Chunk]], None]
+    ) -> None:
+        """Read one batch (one file, at most the per-thread budget), copy staged chunks, commit."""
+        file = batch[0].entry.file
+        staged_offsets: dict[int, int] = {}
+        size = 0
+        for i, chunk in enumerate(batch):
+            if not chunk.direct:
+                staged_offsets[i] = size
+                size += -(-chunk.nbytes // _ALIGN) * _ALIGN
+        staging = torch.empty(size, dtype=torch.uint8)
+        staging_view = memoryview(staging.numpy())
+        buffers = [
+            staging_view[staged_offsets[i] :] if i in staged_offsets else _byte_view(chunk.dest)
+            for i, chunk in enumerate(batch)
+        ]
+        pieces = []
+        for i, chunk in enumerate(batch):
+            offset = 0
+            for start, end in chunk.ranges:
+                pieces.append(Piece(start, end, i, offset))
+                offset += end - start
+        requests = coalesce(pieces, self.coalesce_gap)
+        scratch = memoryview(bytearray(max(r.nbytes - sum(p.nbytes for p in r.pieces) for r in requests)))
+        with location.open(file) as handle:
+            for request in requests:
+                self._read_request(handle, request, _request_views(request, buffers, scratch), batch)
+        self.stats.add(
+            file,
+            bytes_read=sum(r.nbytes for r in requests),
+            bytes_needed=sum(p.nbytes for p in pieces),
+            ranges=len(pieces),
+            requests=len(requests),
+        )
+        for i, offset in staged_offsets.items():
+            chunk = batch[i]
+            source = staging[offset : offset + chunk.nbytes].view(chunk.entry.dtype).view(chunk.box.sizes)
+            chunk.dest.copy_(source)
+        finish(batch)
+
+    @staticmethod
+    def _read_request(
+        handle: RangeFile, request: Request, views: list[memoryview], batch: list[_Chunk]
+    ) -> None:
+        try:
+            handle.read_into(request.start, views)
+        except StorageReadError as e:
+            keys = ", ".join(dict.fromkeys(batch[p.owner].entry.key for p in request.pieces))
+            raise StorageReadError(e.reason, file=e.file, key=keys) from e
+
+
+def _batches(chunks: list[_Chunk], budget: int) -> list[list[_Chunk]]:
+    """Chunks grouped per file in file order, packed into batches of at most ``budget`` bytes."""
+    per_file: dict[str, list[_Chunk]] = defaultdict(list)
+    for chunk in chunks:
+        per_file[chunk.entry.file].append(chunk)
+    batches: list[list[_Chunk]] = []
+    for file_chunks in per_file.values():
+        current: list[_Chunk] = []
+        used = 0
+        for chunk in sorted(file_chunks, key=lambda c: c.ranges[0][0]):
+            if current and used + chunk.nbytes > budget:
+                batches.append(current)
+                current, used = [], 0
+            current.append(chunk)
+            used += chunk.nbytes
+        batches.append(current)
+    return batches
