@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Collection, Sequence
 from typing import Any, Literal
 
@@ -52,13 +53,12 @@ def load_hf_checkpoint(
         trace=loader == "dcp",
     )
     reader = reader if reader is not None else HFStorageReader(path, **reader_options)
+    single = not (dist.is_available() and dist.is_initialized())
     try:
-        dcp.load(
-            model.state_dict(),
-            storage_reader=reader,
-            planner=planner,
-            no_dist=not (dist.is_available() and dist.is_initialized()),
-        )
+        with warnings.catch_warnings():
+            if single:  # DCP warns that it assumes one process: that is what we asked for
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(model.state_dict(), storage_reader=reader, planner=planner, no_dist=single)
     except CheckpointException as exc:
         raise unwrap_checkpoint_exception(exc) from None
     assert planner.report is not None
