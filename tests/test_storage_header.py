@@ -46,7 +46,18 @@ def _raw_header(path: Path) -> tuple[int, dict]:
 
 def test_dtype_table_covers_what_torch_has() -> None:
     expected = {"F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U8", "BOOL"}
-    expected |= {"U16", "U32", "U64", "C64", "F4", "F8_E4M3", "F8_E5M2", "F8_E8M0", "F8_E4M3FNUZ", "F8_E5M2FNUZ"}
+    expected |= {
+        "U16",
+        "U32",
+        "U64",
+        "C64",
+        "F4",
+        "F8_E4M3",
+        "F8_E5M2",
+        "F8_E8M0",
+        "F8_E4M3FNUZ",
+        "F8_E5M2FNUZ",
+    }
     assert set(SAFETENSORS_DTYPES) == expected
     assert lookup_dtype("F8_E4M3").torch_dtype == torch.float8_e4m3fn
     assert lookup_dtype("F4").pack == 2 and lookup_dtype("F4").torch_shape([3, 4]) == (3, 2)
@@ -113,50 +124,67 @@ def _f32(offsets: list, shape: list | None = None) -> dict:
     return {"dtype": "F32", "shape": [2] if shape is None else shape, "data_offsets": offsets}
 
 
-# (id, header, data bytes, length override, error type, key named, words of the reason)
+def _case(
+    name: str,
+    header: dict | bytes,
+    words: str,
+    *,
+    data: bytes = b"",
+    length: int | None = None,
+    key: str | None = "a",
+    error: type = CheckpointFormatError,
+):
+    """One broken file: its header, tensor bytes, length prefix override; the error, key and words."""
+    return pytest.param(header, data, length, error, key, words, id=name)
+
+
+def _dtype(name: object, shape: list, offsets: list) -> dict:
+    return {"a": {"dtype": name, "shape": shape, "data_offsets": offsets}}
+
+
 INVALID = [
-    ("header_cap", b"{}", b"", 2**63, CheckpointFormatError, None, "cap"),
-    ("header_cap_plus_one", b"{}", b"", MAX_HEADER_BYTES + 1, CheckpointFormatError, None, "cap"),
-    ("header_past_eof", b"{}", b"", 1000, CheckpointFormatError, None, "past the end"),
-    ("not_utf8", b'{"\xff": 1}', b"", None, CheckpointFormatError, None, "UTF-8"),
-    ("not_json", b'{"a": ', b"", None, CheckpointFormatError, None, "JSON"),
-    ("not_object", b"[1, 2]", b"", None, CheckpointFormatError, None, "not an object"),
-    ("duplicate_key", b'{"a": {}, "a": {}}', b"", None, CheckpointFormatError, "a", "duplicate"),
-    ("metadata_not_str", {"__metadata__": {"x": 1}}, b"", None, CheckpointFormatError, "__metadata__", "strings"),
-    ("metadata_not_object", {"__metadata__": "x"}, b"", None, CheckpointFormatError, "__metadata__", "strings"),
-    ("info_not_object", {"a": 3}, b"", None, CheckpointFormatError, "a", "object"),
-    ("missing_dtype", {"a": {"shape": [], "data_offsets": [0, 4]}}, b"", None, CheckpointFormatError, "a", "dtype"),
-    ("missing_shape", {"a": {"dtype": "F32", "data_offsets": [0, 4]}}, b"", None, CheckpointFormatError, "a", "shape"),
-    ("missing_offsets", {"a": {"dtype": "F32", "shape": []}}, b"", None, CheckpointFormatError, "a", "data_offsets"),
-    ("shape_negative", {"a": _f32([0, 8], [-2])}, b"", None, CheckpointFormatError, "a", "shape"),
-    ("shape_bool", {"a": _f32([0, 4], [True])}, b"", None, CheckpointFormatError, "a", "shape"),
-    ("shape_float", {"a": _f32([0, 8], [2.0])}, b"", None, CheckpointFormatError, "a", "shape"),
-    ("shape_not_list", {"a": _f32([0, 8], 2)}, b"", None, CheckpointFormatError, "a", "shape"),
-    ("offsets_three", {"a": _f32([0, 8, 8])}, bytes(8), None, CheckpointFormatError, "a", "two"),
-    ("offsets_negative", {"a": _f32([-8, 0])}, bytes(8), None, CheckpointFormatError, "a", "non-negative"),
-    ("offsets_bool", {"a": _f32([False, 8])}, bytes(8), None, CheckpointFormatError, "a", "non-negative"),
-    ("unknown_dtype", {"a": {"dtype": "F33", "shape": [2], "data_offsets": [0, 8]}}, bytes(8), None,
-     UnsupportedDtypeError, "a", "unknown"),
-    ("dtype_not_str", {"a": {"dtype": 4, "shape": [2], "data_offsets": [0, 8]}}, bytes(8), None,
-     UnsupportedDtypeError, "a", "unknown"),
-    ("dtype_without_torch", {"a": {"dtype": "F6_E2M3", "shape": [4], "data_offsets": [0, 3]}}, bytes(3), None,
-     UnsupportedDtypeError, "a", "no torch"),
-    ("byte_length", {"a": _f32([0, 4])}, bytes(4), None, CheckpointFormatError, "a", "needs 8"),
-    ("end_before_begin", {"a": _f32([8, 0])}, bytes(8), None, CheckpointFormatError, "a", "end before"),
-    ("overlap", {"a": _f32([0, 8]), "b": _f32([4, 12])}, bytes(12), None, CheckpointFormatError, "b", "overlaps"),
-    ("gap", {"a": _f32([0, 8]), "b": _f32([12, 20])}, bytes(20), None, CheckpointFormatError, "b", "gap"),
-    ("first_not_at_zero", {"a": _f32([4, 12])}, bytes(12), None, CheckpointFormatError, "a", "begin at 0"),
-    ("trailing_bytes", {"a": _f32([0, 8])}, bytes(12), None, CheckpointFormatError, None, "file has"),
-    ("data_past_eof", {"a": _f32([0, 8])}, bytes(4), None, CheckpointFormatError, None, "file has"),
-    ("not_whole_bytes", {"a": {"dtype": "F4", "shape": [3], "data_offsets": [0, 2]}}, bytes(2), None,
-     CheckpointFormatError, "a", "whole bytes"),
-    ("f4_odd_last_dim", {"a": {"dtype": "F4", "shape": [2, 3], "data_offsets": [0, 3]}}, bytes(3), None,
-     CheckpointFormatError, "a", "pack"),
+    _case("header_cap", b"{}", "cap", length=2**63, key=None),
+    _case("header_cap_plus_one", b"{}", "cap", length=MAX_HEADER_BYTES + 1, key=None),
+    _case("header_past_eof", b"{}", "past the end", length=1000, key=None),
+    _case("not_brace_first", b' {"a": 1}', "start with", key=None),
+    _case("not_utf8", b'{"\xff": 1}', "UTF-8", key=None),
+    _case("not_json", b'{"a": ', "JSON", key=None),
+    _case("duplicate_key", b'{"a": {}, "a": {}}', "duplicate"),
+    _case("metadata_not_str", {"__metadata__": {"x": 1}}, "strings", key="__metadata__"),
+    _case("metadata_not_object", {"__metadata__": "x"}, "strings", key="__metadata__"),
+    _case("info_not_object", {"a": 3}, "object"),
+    _case("missing_dtype", {"a": {"shape": [], "data_offsets": [0, 4]}}, "dtype"),
+    _case("missing_shape", {"a": {"dtype": "F32", "data_offsets": [0, 4]}}, "shape"),
+    _case("missing_offsets", {"a": {"dtype": "F32", "shape": []}}, "data_offsets"),
+    _case("shape_negative", {"a": _f32([0, 8], [-2])}, "shape"),
+    _case("shape_bool", {"a": _f32([0, 4], [True])}, "shape"),
+    _case("shape_float", {"a": _f32([0, 8], [2.0])}, "shape"),
+    _case("shape_not_list", {"a": _f32([0, 8], 2)}, "shape"),
+    _case("offsets_three", {"a": _f32([0, 8, 8])}, "two", data=bytes(8)),
+    _case("offsets_negative", {"a": _f32([-8, 0])}, "non-negative", data=bytes(8)),
+    _case("offsets_bool", {"a": _f32([False, 8])}, "non-negative", data=bytes(8)),
+    _case("unknown_dtype", _dtype("F33", [2], [0, 8]), "unknown", data=bytes(8), error=UnsupportedDtypeError),
+    _case("dtype_not_str", _dtype(4, [2], [0, 8]), "unknown", data=bytes(8), error=UnsupportedDtypeError),
+    _case(
+        "dtype_without_torch",
+        _dtype("F6_E2M3", [4], [0, 3]),
+        "no torch",
+        data=bytes(3),
+        error=UnsupportedDtypeError,
+    ),
+    _case("byte_length", {"a": _f32([0, 4])}, "needs 8", data=bytes(4)),
+    _case("end_before_begin", {"a": _f32([8, 0])}, "end before", data=bytes(8)),
+    _case("overlap", {"a": _f32([0, 8]), "b": _f32([4, 12])}, "overlaps", data=bytes(12), key="b"),
+    _case("gap", {"a": _f32([0, 8]), "b": _f32([12, 20])}, "gap", data=bytes(20), key="b"),
+    _case("first_not_at_zero", {"a": _f32([4, 12])}, "begin at 0", data=bytes(12)),
+    _case("trailing_bytes", {"a": _f32([0, 8])}, "file has", data=bytes(12), key=None),
+    _case("data_past_eof", {"a": _f32([0, 8])}, "file has", data=bytes(4), key=None),
+    _case("not_whole_bytes", _dtype("F4", [3], [0, 2]), "whole bytes", data=bytes(2)),
+    _case("f4_odd_last_dim", _dtype("F4", [2, 3], [0, 3]), "pack", data=bytes(3)),
 ]
 
 
-@pytest.mark.parametrize(("header", "data", "length", "error", "key", "words"), [c[1:] for c in INVALID],
-                         ids=[c[0] for c in INVALID])
+@pytest.mark.parametrize(("header", "data", "length", "error", "key", "words"), INVALID)
 def test_invalid_header_rule(tmp_path: Path, header, data, length, error, key, words) -> None:
     _write(tmp_path, header, data, length)
     with pytest.raises(error) as info:

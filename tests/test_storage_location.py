@@ -72,13 +72,25 @@ def test_directory_without_index(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{}")
     catalog = _scan(tmp_path)
     assert catalog.files == ("x.safetensors", "y.safetensors")
-    assert {k: e.file for k, e in catalog.entries.items()} == {"a.w": "x.safetensors", "a.b": "x.safetensors",
-                                                                "b.w": "y.safetensors"}
+    assert {k: e.file for k, e in catalog.entries.items()} == {
+        "a.w": "x.safetensors",
+        "a.b": "x.safetensors",
+        "b.w": "y.safetensors",
+    }
 
 
-@pytest.mark.parametrize("name", ["../model-1.safetensors", "/etc/model-1.safetensors", "a/../model-1.safetensors",
-                                  "s3://bucket/model-1.safetensors", "./model-1.safetensors", "a\\b.safetensors",
-                                  "model-1.json"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "../model-1.safetensors",
+        "/etc/model-1.safetensors",
+        "a/../model-1.safetensors",
+        "s3://bucket/model-1.safetensors",
+        "./model-1.safetensors",
+        "a\\b.safetensors",
+        "model-1.json",
+    ],
+)
 def test_index_names_outside_or_odd_paths(tmp_path: Path, name: str) -> None:
     _sharded(tmp_path, {"a.w": name})
     with pytest.raises(CheckpointFormatError) as info:
@@ -101,14 +113,19 @@ def test_index_names_a_missing_file(tmp_path: Path) -> None:
 
 
 def test_index_key_not_in_its_file(tmp_path: Path) -> None:
-    _sharded(tmp_path, {"a.w": "model-2.safetensors", "a.b": "model-1.safetensors", "b.w": "model-2.safetensors"})
+    _sharded(
+        tmp_path, {"a.w": "model-2.safetensors", "a.b": "model-1.safetensors", "b.w": "model-2.safetensors"}
+    )
     with pytest.raises(CheckpointFormatError, match="model-1") as info:
         _scan(tmp_path)
     assert (info.value.file, info.value.key) == ("model-2.safetensors", "a.w")
 
 
 def test_index_key_absent_from_every_file(tmp_path: Path) -> None:
-    weight_map = {k: "model-1.safetensors" for k in A} | {"b.w": "model-2.safetensors", "ghost": "model-2.safetensors"}
+    weight_map = {k: "model-1.safetensors" for k in A} | {
+        "b.w": "model-2.safetensors",
+        "ghost": "model-2.safetensors",
+    }
     _sharded(tmp_path, weight_map)
     with pytest.raises(CheckpointFormatError, match="no file holds it") as info:
         _scan(tmp_path)
@@ -139,8 +156,10 @@ def test_duplicate_key_across_files(tmp_path: Path) -> None:
     assert (info.value.file, info.value.key) == ("y.safetensors", "a.b")
 
 
-@pytest.mark.parametrize("names", [["pytorch_model.bin"], ["model.pt", "config.json"], ["weights.pth"],
-                                   ["pytorch_model.bin.index.json"]])
+@pytest.mark.parametrize(
+    "names",
+    [["pytorch_model.bin"], ["model.pt", "config.json"], ["weights.pth"], ["pytorch_model.bin.index.json"]],
+)
 def test_pickle_only_directory_is_refused(tmp_path: Path, names: list[str]) -> None:
     for name in names:
         (tmp_path / name).write_bytes(b"\x80\x04 pickle")
@@ -162,8 +181,10 @@ def test_missing_and_empty_paths(tmp_path: Path) -> None:
 
 def test_catalog_json_round_trip(tmp_path: Path) -> None:
     _sharded(tmp_path)
-    save_file({"f4": torch.zeros(2, 2, dtype=torch.uint8).view(torch.float4_e2m1fn_x2)},
-              str(tmp_path / "model-1.safetensors"))
+    save_file(
+        {"f4": torch.zeros(2, 2, dtype=torch.uint8).view(torch.float4_e2m1fn_x2)},
+        str(tmp_path / "model-1.safetensors"),
+    )
     (tmp_path / INDEX_FILE).unlink()
     catalog = _scan(tmp_path)
     assert Catalog.from_json(catalog.to_json()) == catalog
@@ -186,7 +207,10 @@ def local_and_memory(tmp_path: Path):
     (tmp_path / "f.bin").write_bytes(data)
     memory = fsspec.filesystem("memory")
     memory.pipe("/ckpt/f.bin", data)
-    yield data, [CheckpointLocation(fsspec.filesystem("file"), str(tmp_path)), CheckpointLocation(memory, "/ckpt")]
+    yield (
+        data,
+        [CheckpointLocation(fsspec.filesystem("file"), str(tmp_path)), CheckpointLocation(memory, "/ckpt")],
+    )
     memory.rm("/ckpt", recursive=True)
 
 
@@ -225,7 +249,9 @@ def test_local_reads_survive_partial_preadv(tmp_path: Path, monkeypatch: pytest.
 
 def test_memory_filesystem_checkpoint(tmp_path: Path) -> None:
     save_file(A, str(tmp_path / "model.safetensors"))
-    fsspec.filesystem("memory").pipe("/mem-ckpt/model.safetensors", (tmp_path / "model.safetensors").read_bytes())
+    fsspec.filesystem("memory").pipe(
+        "/mem-ckpt/model.safetensors", (tmp_path / "model.safetensors").read_bytes()
+    )
     try:
         catalog = _scan("memory://mem-ckpt")
         assert set(catalog.entries) == set(A) and catalog.files == ("model.safetensors",)

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from hp_dcp_hf.box import Box, disjoint_cover
 from hp_dcp_hf.storage.ranges import Piece, box_byte_ranges, coalesce, split_box
 
-DTYPES = [torch.float32, torch.bfloat16, torch.int64, torch.uint8, torch.bool, torch.float8_e4m3fn]
+# Only the itemsize matters to the arithmetic; bool is left out since copies canonicalise its bytes.
+DTYPES = [torch.float32, torch.bfloat16, torch.int64, torch.uint8, torch.float8_e4m3fn]
 
 
 @st.composite
@@ -80,7 +81,11 @@ def test_split_box_bounds_bytes_and_keeps_row_major_order(case, budget_elements:
 
 def test_split_box_cuts_rows_then_columns() -> None:
     assert split_box(Box((0, 0), (4, 8)), 4, 64) == [Box((0, 0), (2, 8)), Box((2, 0), (2, 8))]
-    assert split_box(Box((0, 0), (1, 8)), 4, 12) == [Box((0, 0), (1, 3)), Box((0, 3), (1, 3)), Box((0, 6), (1, 2))]
+    assert split_box(Box((0, 0), (1, 8)), 4, 12) == [
+        Box((0, 0), (1, 3)),
+        Box((0, 3), (1, 3)),
+        Box((0, 6), (1, 2)),
+    ]
     with pytest.raises(ValueError, match="smaller than one"):
         split_box(Box((0,), (4,)), 8, 4)
 

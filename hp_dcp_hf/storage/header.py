@@ -145,6 +145,8 @@ def _parse_entry(key: str, info: object, file: str, data_base: int) -> tuple[Ten
 
 def parse_header(raw: bytes, *, file: str, file_size: int) -> FileHeader:
     """Validate the JSON header ``raw`` of ``file`` (``file_size`` bytes in all) and locate its tensors."""
+    if not raw.startswith(b"{"):
+        raise CheckpointFormatError("header does not start with '{'", file=file)
     header = loads_json_object(raw, file=file)
     data_base = HEADER_LEN_BYTES + len(raw)
     metadata = _parse_metadata(header.pop(METADATA_KEY, {}), file)

@@ -149,7 +149,7 @@ class HFStorageReader(StorageReader):
         try:
             location, single_file = locate(*filesystem(checkpoint_id))
             find_files(location, single_file, ReadStats())
-        except (HPDCPHFError, OSError):
+        except (HPDCPHFError, OSError, ValueError):
             return False
         return True
 

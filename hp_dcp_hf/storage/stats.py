@@ -24,7 +24,7 @@ class FileStats:
     requests: int = 0
     """Read requests issued for tensor payload, after coalescing."""
     header_bytes: int = 0
-    """Bytes of the 8-byte length prefixes and JSON headers read."""
+    """Bytes of headers (8-byte length prefix + JSON) and of the index file read."""
     header_requests: int = 0
     """Read requests issued for headers."""
 

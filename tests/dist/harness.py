@@ -11,8 +11,10 @@ spawned processes import it by name; tests are importable as ``tests.dist.<modul
         results = run_ranks(2, _check, str(tmp_path))   # [rank 0's return, rank 1's return]
 
 A rank that raises makes ``run_ranks`` raise that exception (when it unpickles; ``RankFailed``
-otherwise) with the rank's traceback text attached; a rank that has not answered after ``timeout``
-seconds fails the call with ``TimeoutError``, one that dies without answering with ``RankFailed``. Every process is ended before ``run_ranks`` returns.
+otherwise) with the rank and its traceback text attached as a note. When several ranks fail, the
+earliest failure is raised: the others are usually peers losing their connection to it. A rank
+that has not answered after ``timeout`` seconds fails the call with ``TimeoutError``, one that dies
+without answering with ``RankFailed``. Every process is ended before ``run_ranks`` returns.
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+_GRACE_S = 2.0
+"""After a first failure, how long to wait for the other ranks' reports before raising."""
+
 
 class RankFailed(RuntimeError):
     """A rank raised an exception that could not be sent back as itself."""
@@ -41,8 +46,11 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, timeout: float, fn: Callable, args: tuple, results: Any) -> None:
+def _worker(
+    rank: int, world_size: int, port: int, timeout: float, fn: Callable, args: tuple, results: Any
+) -> None:
     torch.set_num_threads(1)  # N ranks share few cores: no intra-op oversubscription
+    ok = False
     try:
         dist.init_process_group(
             "gloo",
@@ -51,18 +59,20 @@ def _worker(rank: int, world_size: int, port: int, timeout: float, fn: Callable,
             world_size=world_size,
             timeout=timedelta(seconds=timeout),
         )
-        try:
-            value = fn(rank, world_size, *args)
-        finally:
-            dist.destroy_process_group()
-        results.put((rank, True, value, ""))
+        # Pickled here, not in the queue's feeder thread, so an unpicklable value fails loudly.
+        payload, ok, text = pickle.dumps(fn(rank, world_size, *args)), True, ""
     except BaseException as error:  # everything goes back to the parent, KeyboardInterrupt too
         text = traceback.format_exc()
         try:
-            pickle.loads(pickle.dumps(error))
+            payload = pickle.dumps(error)
+            pickle.loads(payload)
         except Exception:
-            error = RankFailed(f"{type(error).__name__}: {error}")
-        results.put((rank, False, error, text))
+            payload = pickle.dumps(RankFailed(f"{type(error).__name__}: {error}"))
+    # Report before tearing the group down: teardown makes peers blocked in collectives fail too,
+    # and the parent must see the first failure, not its echoes.
+    results.put((rank, ok, payload, text, time.time()))
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 120) -> list[Any]:
@@ -77,23 +87,33 @@ def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout: floa
     for proc in procs:
         proc.start()
     values: dict[int, Any] = {}
+    failures: list[tuple[float, int, bytes, str]] = []
     deadline = time.monotonic() + timeout
     try:
-        while len(values) < world_size:
-            missing = sorted(set(range(world_size)) - set(values))
+        while len(values) + len(failures) < world_size:
             if time.monotonic() > deadline:
+                if failures:
+                    break  # the grace period after a failure is over: raise it
+                missing = sorted(set(range(world_size)) - set(values))
                 raise TimeoutError(f"ranks {missing} gave no result within {timeout} s")
-            dead = [r for r in missing if procs[r].exitcode not in (None, 0)]
-            if dead and results.empty():
+            dead = [r for r, proc in enumerate(procs) if proc.exitcode not in (None, 0)]
+            if dead and results.empty() and not failures:
                 raise RankFailed(f"ranks {dead} exited with codes {[procs[r].exitcode for r in dead]}")
             try:
-                rank, ok, value, text = results.get(timeout=0.5)
+                rank, ok, payload, text, when = results.get(timeout=0.2)
             except queue.Empty:
                 continue
-            if not ok:
-                value.add_note(f"raised on rank {rank} of {world_size}:\n{text}")
-                raise value
-            values[rank] = value
+            if ok:
+                values[rank] = pickle.loads(payload)
+            else:
+                failures.append((when, rank, payload, text))
+                deadline = min(deadline, time.monotonic() + _GRACE_S)
+        if failures:
+            # The earliest failure is the cause; later ones are usually peers losing their connection.
+            _, rank, payload, text = min(failures)
+            error = pickle.loads(payload)
+            error.add_note(f"raised on rank {rank} of {world_size}:\n{text}")
+            raise error
     finally:
         for proc in procs:
             proc.join(timeout=5 if len(values) == world_size else 0)

@@ -65,7 +65,9 @@ def _placements(layout: str, ndim: int) -> list:
     return [Shard(0) if ndim >= 1 else Replicate(), Shard(1) if ndim >= 2 else Replicate()]  # "mesh2d"
 
 
-def _expected_local(tensor: torch.Tensor, placements: list, coordinate: list[int], mesh_shape: tuple) -> torch.Tensor:
+def _expected_local(
+    tensor: torch.Tensor, placements: list, coordinate: list[int], mesh_shape: tuple
+) -> torch.Tensor:
     for mesh_dim, placement in enumerate(placements):
         if isinstance(placement, Shard):
             parts = torch.chunk(tensor, mesh_shape[mesh_dim], dim=placement.dim)
@@ -79,7 +81,9 @@ def _load_sharded(
 ) -> dict:
     """Load every checkpoint key as a DTensor; report values, bytes read vs needed, header traffic."""
     mesh = init_device_mesh("cpu", mesh_shape)
-    source = load_file(f"{path}/model-00001-of-00002.safetensors") | load_file(f"{path}/model-00002-of-00002.safetensors")
+    source = load_file(f"{path}/model-00001-of-00002.safetensors") | load_file(
+        f"{path}/model-00002-of-00002.safetensors"
+    )
     state_dict, expected = {}, {}
     for key, tensor in source.items():
         placements = _placements(layout, tensor.ndim)
@@ -129,7 +133,9 @@ def _two_rank_scenarios(rank: int, world_size: int, path: str, corrupt: str) -> 
     return {
         "shard0": _load_sharded(rank, world_size, path, "shard0", (2,), False, {}),
         "shard1_cast": _load_sharded(rank, world_size, path, "shard1", (2,), True, {"staging_bytes": 256}),
-        "no_broadcast": _load_sharded(rank, world_size, path, "shard0", (2,), False, {"broadcast_metadata": False}),
+        "no_broadcast": _load_sharded(
+            rank, world_size, path, "shard0", (2,), False, {"broadcast_metadata": False}
+        ),
         "corrupt": _read_corrupt_metadata(rank, world_size, corrupt),
     }
 
@@ -214,13 +220,20 @@ def test_parity_with_torch_huggingface_reader(checkpoint: Path) -> None:
 
 def test_f8_bool_through_file_url_and_index(checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Where torch's reader fails or guesses: F8/BOOL dtypes, a file:// URL; and no staging copy."""
-    state_dict = {"f8": torch.zeros(6, 4, dtype=torch.float8_e4m3fn), "mask": torch.zeros(5, 3, dtype=torch.bool)}
+    state_dict = {
+        "f8": torch.zeros(6, 4, dtype=torch.float8_e4m3fn),
+        "mask": torch.zeros(5, 3, dtype=torch.bool),
+    }
     copies = []
     original = torch.Tensor.copy_
-    monkeypatch.setattr(torch.Tensor, "copy_", lambda self, *a, **k: copies.append(1) or original(self, *a, **k))
+    monkeypatch.setattr(
+        torch.Tensor, "copy_", lambda self, *a, **k: copies.append(1) or original(self, *a, **k)
+    )
     dcp.load(state_dict, storage_reader=HFStorageReader(f"file://{checkpoint}"), no_dist=True)
     monkeypatch.undo()
-    assert _bytes(state_dict["f8"]) == _bytes(FILE_2["f8"]) and torch.equal(state_dict["mask"], FILE_2["mask"])
+    assert _bytes(state_dict["f8"]) == _bytes(FILE_2["f8"]) and torch.equal(
+        state_dict["mask"], FILE_2["mask"]
+    )
     assert copies == []  # contiguous, same dtype: bytes land in the destination directly
 
 
@@ -253,7 +266,10 @@ class _Planner:
         return self.dests[item.dest_index.fqn]
 
     def commit_tensor(self, item: ReadItem, tensor: torch.Tensor) -> None:
-        assert tensor is self.dests[item.dest_index.fqn] or tensor.data_ptr() == self.dests[item.dest_index.fqn].data_ptr()
+        assert (
+            tensor is self.dests[item.dest_index.fqn]
+            or tensor.data_ptr() == self.dests[item.dest_index.fqn].data_ptr()
+        )
         self.commits.append(item.dest_index.fqn)
 
 
@@ -290,7 +306,10 @@ def test_column_box_coalescing(checkpoint: Path, gap: int) -> None:
         assert stats.requests == 12 and stats.bytes_read == stats.bytes_needed
     else:  # one request from the first needed byte of emb to the last of ids, whatever lies between
         emb, ids = reader.entries["emb"], reader.entries["ids"]
-        spans = [(emb.data_start + 3 * 4, emb.data_start + 10 * 24 + 5 * 4), (ids.data_start + 16, ids.data_start + 40)]
+        spans = [
+            (emb.data_start + 3 * 4, emb.data_start + 10 * 24 + 5 * 4),
+            (ids.data_start + 16, ids.data_start + 40),
+        ]
         assert stats.requests == 1
         assert stats.bytes_read == max(e for _, e in spans) - min(s for s, _ in spans)
 
@@ -306,8 +325,10 @@ def test_short_read_names_file_and_key(tmp_path: Path) -> None:
     assert (info.value.file, info.value.key) == ("m.safetensors", "y")
 
 
-@pytest.mark.parametrize(("key", "box", "dest"), [("nope", Box((0,), (3,)), (3,)), ("ids", Box((8,), (3,)), (3,)),
-                                                   ("ids", Box((0,), (3,)), (4,))])
+@pytest.mark.parametrize(
+    ("key", "box", "dest"),
+    [("nope", Box((0,), (3,)), (3,)), ("ids", Box((8,), (3,)), (3,)), ("ids", Box((0,), (3,)), (4,))],
+)
 def test_inconsistent_plans_are_refused(checkpoint: Path, key: str, box: Box, dest: tuple) -> None:
     reader = HFStorageReader(checkpoint)
     reader.read_metadata()
