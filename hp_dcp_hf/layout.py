@@ -3,20 +3,26 @@
 The planner reads checkpoint bytes per rank, so it must know exactly which global indices a rank's
 local shard holds. DCP's own answer (``compute_local_shape_and_global_offset``: one box per rank)
 is wrong for a non-contiguous ``_StridedShard`` and then loads wrong values silently, so the index
-sets are computed here from torch's placement semantics:
+sets are computed here, as torch 2.13 lays the data out:
 
-- placements act left to right over the mesh dims; each ``Shard``/``_StridedShard`` re-splits the
-  *current* local extent of its tensor dim, so every tensor dim evolves independently;
+- every tensor dim evolves on its own, through the shardings of the mesh dims that split it; each
+  re-splits the *current* local extent of that dim and keeps this rank's part;
 - ``Shard(d)`` over ``n`` ranks keeps chunk ``c`` of ``torch.chunk``: chunk size ``ceil(L / n)``,
   trailing chunks smaller or empty;
-- ``_StridedShard(d, split_factor=f)`` chunks the extent into ``f`` pieces, chunks each piece into
-  ``n``, and keeps chunk ``c`` of every piece, concatenated in order (``_StridedShard._split_tensor``);
+- ``_StridedShard(d, split_factor=f)`` alone chunks the extent into ``f`` pieces, chunks each into
+  ``n`` and keeps chunk ``c`` of every piece, concatenated (``_StridedShard._split_tensor``);
+- but where ``_StridedShard`` split factors encode a shard order (``split_factor`` = product of the
+  sizes of the mesh dims sharding that tensor dim before it, as FSDP2 over TP writes them), torch's
+  redistribution decodes them into that order of plain ``Shard``s, and FSDP2 lays its data out so:
+  we follow that, which for some uneven sizes (FSDP2 on 3+ data-parallel ranks) differs from
+  ``_split_tensor`` and so from DCP's ``compute_local_shape_and_global_offset``;
+- a spec may also carry that order explicitly (``DTensorSpec.shard_order``);
 - ``Replicate`` leaves the extent alone; ``Partial`` holds no loadable value and is refused.
 
-So along each tensor dim a rank holds a list of runs of consecutive global indices, laid end to end
-locally; its pieces are the products of those runs. Runs are merged whenever they continue each
-other, so no two pieces could merge into one box. Pieces are never empty: a rank whose local shard
-is empty gets no pieces, and has nothing to read.
+So along each tensor dim a rank holds runs of consecutive global indices, laid end to end locally;
+its pieces are the products of those runs. Runs are merged whenever they continue each other, so no
+two pieces could merge into one box. Pieces are never empty: a rank whose local shard is empty gets
+no pieces, and has nothing to read.
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ from hp_dcp_hf.errors import LayoutError
 
 # One run of a dim: (first global index, length); a dim's runs follow each other in local order.
 _Run = tuple[int, int]
+# One sharding step: (mesh dim, tensor dim, split factor); split factor 1 is a plain Shard.
+_Step = tuple[int, int, int]
 
 
 @dataclass(frozen=True)
@@ -53,17 +61,21 @@ def shard_pieces(
     coordinate: Sequence[int],
     placements: Sequence[Placement],
     *,
+    shard_order: Sequence[tuple[int, Sequence[int]]] | None = None,
     key: str | None = None,
 ) -> tuple[ShardPiece, ...]:
     """The pieces the rank at mesh ``coordinate`` holds, sorted by local offset. Pure: no process group.
 
+    ``shard_order``: a ``DTensorSpec.shard_order`` carried explicitly (``(tensor dim, mesh dims in
+    the order they split it)`` entries); None reads the order from the placements, as torch does.
     ``key`` only names the parameter in errors.
     """
-    return _pieces(_dim_runs(global_shape, mesh_shape, coordinate, placements, key))
+    steps = _steps(len(global_shape), mesh_shape, coordinate, placements, shard_order, key)
+    return _pieces(_dim_runs(global_shape, mesh_shape, coordinate, steps))
 
 
 def local_shard_pieces(tensor: torch.Tensor, *, key: str | None = None) -> tuple[ShardPiece, ...]:
-    """The pieces this rank holds of ``tensor``: a DTensor's by its placements, a plain tensor's whole."""
+    """The pieces this rank holds of ``tensor``: a DTensor's by its layout, a plain tensor's whole."""
     if not isinstance(tensor, DTensor):
         return shard_pieces(tensor.shape, (), (), (), key=key)
     mesh = tensor.device_mesh
@@ -71,15 +83,13 @@ def local_shard_pieces(tensor: torch.Tensor, *, key: str | None = None) -> tuple
     if coordinate is None:  # this rank is not part of the mesh: it holds nothing
         return ()
     spec = tensor._spec
-    # Internal redistribution can record a non-default shard order on plain Shard placements; the
-    # placements then no longer say the layout, so refuse rather than load wrong values.
-    if not getattr(spec, "use_strided_shard_as_shard_order", True) and (
-        False
-    ):
-        raise LayoutError(f"non-default shard order {spec.shard_order} is not supported", key=key)
-    runs = _dim_runs(tensor.shape, mesh.shape, coordinate, tensor.placements, key)
-    # A local tensor that disagrees with its placements (from_local with a wrong shape) would
-    # otherwise be filled at wrong offsets.
+    # A spec may carry its shard order explicitly rather than in _StridedShard split factors
+    # (redistribution with an ordered plan): then that order is the layout.
+    explicit = None if getattr(spec, "use_strided_shard_as_shard_order", True) else spec.shard_order
+    steps = _steps(tensor.ndim, mesh.shape, coordinate, tensor.placements, explicit, key)
+    runs = _dim_runs(tensor.shape, mesh.shape, coordinate, steps)
+    # A local tensor that disagrees with its layout (from_local with a wrong shape, a torch layout
+    # this module does not know) would otherwise be filled at wrong offsets.
     local_shape = tuple(tensor.to_local().shape)
     if local_shape != tuple(_length(r) for r in runs):
         raise LayoutError(
@@ -89,21 +99,21 @@ def local_shard_pieces(tensor: torch.Tensor, *, key: str | None = None) -> tuple
     return _pieces(runs)
 
 
-def _dim_runs(
-    global_shape: Sequence[int],
+def _steps(
+    ndim: int,
     mesh_shape: Sequence[int],
     coordinate: Sequence[int],
     placements: Sequence[Placement],
+    shard_order: Sequence[tuple[int, Sequence[int]]] | None,
     key: str | None,
-) -> list[list[_Run]]:
-    """Per tensor dim, the runs the rank holds, in local order."""
-    ndim = len(global_shape)
+) -> list[_Step]:
+    """The sharding steps in the order torch applies them."""
     if not len(mesh_shape) == len(coordinate) == len(placements):
         raise LayoutError(
             f"mesh shape {tuple(mesh_shape)}, coordinate {tuple(coordinate)} and placements "
             f"{tuple(placements)} must have one entry per mesh dim", key=key,
         )
-    runs: list[list[_Run]] = [[(0, int(size))] if size else [] for size in global_shape]
+    left_to_right: list[_Step] = []
     for mesh_dim, (n, c, placement) in enumerate(zip(mesh_shape, coordinate, placements, strict=True)):
         if not 0 <= c < n:
             raise LayoutError(f"coordinate {tuple(coordinate)} is outside mesh {tuple(mesh_shape)}", key=key)
@@ -116,14 +126,51 @@ def _dim_runs(
             )
         if not -ndim <= placement.dim < ndim:
             raise LayoutError(f"{placement} on mesh dim {mesh_dim} names no dim of a {ndim}-d tensor", key=key)
-        dim = placement.dim % ndim
-        if isinstance(placement, _StridedShard):
-            split_factor = int(placement.split_factor)
-            if split_factor < 1:
-                raise LayoutError(f"{placement} on mesh dim {mesh_dim} has split_factor < 1", key=key)
-            runs[dim] = _strided_chunk(runs[dim], split_factor, n, c)
+        split_factor = int(placement.split_factor) if isinstance(placement, _StridedShard) else 1
+        if split_factor < 1:
+            raise LayoutError(f"{placement} on mesh dim {mesh_dim} has split_factor < 1", key=key)
+        left_to_right.append((mesh_dim, placement.dim % ndim, split_factor))
+    if shard_order is not None:
+        split_factors = {mesh_dim: split_factor for mesh_dim, _, split_factor in left_to_right}
+        ordered = [(m, tensor_dim, split_factors.get(m, 0)) for tensor_dim, mesh_dims in shard_order for m in mesh_dims]
+        if sorted(ordered) != sorted(left_to_right):
+            raise LayoutError(f"shard order {shard_order} does not match placements {tuple(placements)}", key=key)
+        return ordered
+    decoded = _decode_shard_order(left_to_right, mesh_shape)
+    return left_to_right if decoded is None else decoded
+
+
+def _decode_shard_order(steps: list[_Step], mesh_shape: Sequence[int]) -> list[_Step] | None:
+    """Plain-Shard steps in the order the split factors encode, as torch's redistribution decodes them.
+
+    None when there is no _StridedShard, or its split factors encode no order (then
+    ``_StridedShard._split_tensor`` is the layout). Mirrors
+    ``DTensorSpec._maybe_convert_StridedShard_to_shard_order``.
+    """
+    if all(split_factor == 1 for _, _, split_factor in steps):
+        return None
+    orders: dict[int, list[int]] = {}
+    for mesh_dim, tensor_dim, split_factor in reversed(steps):
+        order = orders.setdefault(tensor_dim, [])
+        before = 1
+        for i in range(len(order) + 1):
+            if before == split_factor:
+                order.insert(i, mesh_dim)
+                break
+            if i < len(order):
+                before *= mesh_shape[order[i]]
         else:
-            runs[dim] = _take(runs[dim], *_chunk_bounds(_length(runs[dim]), n, c))
+            return None
+    return [(mesh_dim, tensor_dim, 1) for tensor_dim, order in orders.items() for mesh_dim in order]
+
+
+def _dim_runs(
+    global_shape: Sequence[int], mesh_shape: Sequence[int], coordinate: Sequence[int], steps: list[_Step]
+) -> list[list[_Run]]:
+    """Per tensor dim, the runs the rank holds, in local order."""
+    runs: list[list[_Run]] = [[(0, int(size))] if size else [] for size in global_shape]
+    for mesh_dim, dim, split_factor in steps:
+        runs[dim] = _strided_chunk(runs[dim], split_factor, mesh_shape[mesh_dim], coordinate[mesh_dim])
     return runs
 
 
@@ -143,7 +190,10 @@ def _chunk_bounds(length: int, num_chunks: int, index: int) -> tuple[int, int]:
 
 
 def _strided_chunk(runs: list[_Run], split_factor: int, num_chunks: int, index: int) -> list[_Run]:
-    """``_StridedShard._split_tensor``: chunk ``index`` of each of ``split_factor`` chunks, concatenated."""
+    """``_StridedShard._split_tensor``: chunk ``index`` of each of ``split_factor`` chunks, concatenated.
+
+    With ``split_factor`` 1 this is ``Shard``: chunk ``index`` of the whole.
+    """
     length = _length(runs)
     out: list[_Run] = []
     for j in range(split_factor):

@@ -112,7 +112,8 @@ def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout: floa
             # The earliest failure is the cause; later ones are usually peers losing their connection.
             _, rank, payload, text = min(failures)
             error = pickle.loads(payload)
-            error.add_note(f"raised on rank {rank} of {world_size}:\n{text}")
+            if hasattr(error, "add_note"):  # Python 3.11+
+                error.add_note(f"raised on rank {rank} of {world_size}:\n{text}")
             raise error
     finally:
         for proc in procs:

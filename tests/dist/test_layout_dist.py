@@ -28,7 +28,9 @@ from tests.dist.harness import run_ranks
 
 SS = _StridedShard
 
-# (global shape, mesh shape, placements) built with distribute_tensor and with from_local.
+# (global shape, mesh shape, placements) built with distribute_tensor and with from_local. With no
+# source rank, distribute_tensor splits by _StridedShard._split_tensor; where the split factors
+# encode a shard order, that is torch's layout only where it agrees with the order (as in all these).
 CASES_2 = [
     ((8, 3), (2,), (SS(0, split_factor=2),)),  # rank 0 holds rows 0,1,4,5: DCP loads it wrong
     ((7, 2), (2,), (SS(0, split_factor=3),)),
@@ -82,13 +84,13 @@ def _layout_cases(rank: int, world_size: int, cases: list) -> list[Result]:
     return out
 
 
-def _fsdp_over_tp(rank: int, world_size: int) -> list[Result]:
-    """fully_shard over a TP-sharded Linear on a (dp, tp) = (2, 2) mesh, even and uneven."""
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+def _fsdp_over_tp(rank: int, world_size: int, dp: int, sizes: Sequence[tuple[int, int]]) -> list[Result]:
+    """fully_shard over TP-sharded Linears (out, in features) on a (dp, world_size // dp) mesh."""
+    mesh = init_device_mesh("cpu", (dp, world_size // dp), mesh_dim_names=("dp", "tp"))
     coordinate = tuple(mesh.get_coordinate())
     out: list[Result] = []
     for style in (ColwiseParallel(), RowwiseParallel()):
-        for out_features, in_features in ((8, 4), (7, 6), (5, 3), (3, 5), (1, 2)):
+        for out_features, in_features in sizes:
             lin = nn.Linear(in_features, out_features)
             with torch.no_grad():
                 lin.weight.copy_(_arange(lin.weight.shape))
@@ -96,11 +98,26 @@ def _fsdp_over_tp(rank: int, world_size: int) -> list[Result]:
             parallelize_module(lin, mesh["tp"], style)
             fully_shard(lin, mesh=mesh["dp"])
             for param in (lin.weight, lin.bias):
+                # FSDP2's own all-gather path must agree that this is the parameter.
+                assert torch.equal(param.full_tensor(), _arange(param.shape)), (style, param.shape)
                 out.append((
                     f"fully_shard+{type(style).__name__}", tuple(param.shape), tuple(param.placements),
                     coordinate, local_shard_pieces(param), _plain(param.to_local()),
                 ))
     return out
+
+
+def _shard_order(rank: int, world_size: int) -> list[Result]:
+    """A spec that carries its shard order (mesh dim 1 splits rows first, then mesh dim 0)."""
+    mesh = init_device_mesh("cpu", (2, 2))
+    c0, c1 = mesh.get_coordinate()
+    spec = DTensorSpec(
+        mesh, (Shard(0), Shard(0)), tensor_meta=TensorMeta(torch.Size((8, 3)), (3, 1), torch.float32),
+        shard_order=(ShardOrderEntry(tensor_dim=0, mesh_dims=(1, 0)),),
+    )
+    dt = DTensor(_arange((8, 3))[4 * c1 + 2 * c0:][:2].clone(), spec, requires_grad=False)
+    assert torch.equal(dt.full_tensor(), _arange((8, 3)))  # torch agrees this is the layout
+    return [("shard_order", (8, 3), dt.placements, (c0, c1), local_shard_pieces(dt), _plain(dt.to_local()))]
 
 
 def _refusals(rank: int, world_size: int) -> list[str]:
@@ -109,12 +126,7 @@ def _refusals(rank: int, world_size: int) -> list[str]:
     caught = []
     partial = distribute_tensor(_arange((4, 4)), mesh, (Shard(0), Partial()))
     wrong_shape = DTensor.from_local(torch.zeros(1, 4), mesh, (Shard(0), Shard(0)), shape=(8, 4), stride=(4, 1))
-    spec = DTensorSpec(
-        mesh, (Shard(0), Shard(0)), tensor_meta=TensorMeta(torch.Size((8, 4)), (4, 1), torch.float32),
-        shard_order=(ShardOrderEntry(tensor_dim=0, mesh_dims=(1, 0)),),
-    )
-    reordered = DTensor(torch.zeros(2, 4), spec, requires_grad=False)
-    for name, dt in (("partial", partial), ("wrong_shape", wrong_shape), ("reordered", reordered)):
+    for name, dt in (("partial", partial), ("wrong_shape", wrong_shape)):
         try:
             local_shard_pieces(dt, key=name)
         except LayoutError as e:
@@ -152,11 +164,15 @@ def _check(results_per_rank: list[list[Result]]) -> int:
     return checked
 
 
+FSDP_SIZES = ((8, 4), (7, 6), (5, 3), (3, 5), (1, 2))
+
+
 def _four_ranks(rank: int, world_size: int) -> dict[str, Any]:
     """Everything that needs 4 ranks, in one spawn: starting ranks costs more than the checks."""
     return {
         "layouts": _layout_cases(rank, world_size, CASES_4),
-        "fsdp": _fsdp_over_tp(rank, world_size),
+        "fsdp": _fsdp_over_tp(rank, world_size, 2, FSDP_SIZES),
+        "shard_order": _shard_order(rank, world_size),
         "refusals": _refusals(rank, world_size),
         "outside": _outside_mesh(rank, world_size),
     }
@@ -178,11 +194,21 @@ def test_four_ranks(four_ranks: list[dict[str, Any]]) -> None:
 def test_fsdp_over_tp(four_ranks: list[dict[str, Any]]) -> None:
     results = [r["fsdp"] for r in four_ranks]
     assert any(SS(0, split_factor=2) in r[2] for r in results[0])
-    assert _check(results) == 4 * 2 * 2 * 5
+    assert _check(results) == 4 * 2 * 2 * len(FSDP_SIZES)
+
+
+def test_fsdp_over_tp_uneven_on_three_dp_ranks() -> None:
+    """dp = 3 is where FSDP2's layout and _StridedShard._split_tensor part for uneven sizes."""
+    sizes = ((7, 2), (13, 3), (5, 4))
+    assert _check(run_ranks(6, _fsdp_over_tp, 3, sizes, timeout=300)) == 6 * 2 * 2 * len(sizes)
+
+
+def test_explicit_shard_order(four_ranks: list[dict[str, Any]]) -> None:
+    assert _check([r["shard_order"] for r in four_ranks]) == 4
 
 
 def test_unloadable_dtensors_raise(four_ranks: list[dict[str, Any]]) -> None:
-    assert [r["refusals"] for r in four_ranks] == [["partial", "wrong_shape", "reordered"]] * 4
+    assert [r["refusals"] for r in four_ranks] == [["partial", "wrong_shape"]] * 4
 
 
 def test_rank_outside_mesh_holds_nothing(four_ranks: list[dict[str, Any]]) -> None:
