@@ -39,6 +39,9 @@ def load_hf_checkpoint(
     bit-identical parameters. Errors raised inside ``dcp.load`` come back unwrapped, as the
     :mod:`hp_dcp_hf.errors` type the failing rank raised.
 
+    A planning error leaves the model untouched. A read that fails midway raises with
+    ``error.touched_keys``: the state dict keys this rank had already written into.
+
     ``reader`` and ``planner`` may be built by the caller, to read their statistics afterwards;
     a given planner brings its own mapping options and ``loader`` choice (its ``trace``).
     """
@@ -60,7 +63,9 @@ def load_hf_checkpoint(
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(model.state_dict(), storage_reader=reader, planner=planner, no_dist=single)
     except CheckpointException as exc:
-        raise unwrap_checkpoint_exception(exc) from None
+        error = unwrap_checkpoint_exception(exc)
+        error.touched_keys = tuple(sorted(planner.touched_targets))  # type: ignore[attr-defined]
+        raise error from None
     assert planner.report is not None
     return planner.report
 

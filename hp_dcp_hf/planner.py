@@ -123,7 +123,9 @@ class HFMappingPlanner(LoadPlanner):
         self._waiting: dict[str, set[str]] = {}  # deferred target -> checkpoint keys still being read
         self._deferred: dict[str, tuple[torch.Tensor, tuple[ShardPiece, ...], frozenset[str]]] = {}
         self._lock = threading.Lock()
-        self.written_targets: set[str] = set()
+        # State dict keys into which at least one read was written: after a read that failed midway,
+        # exactly these may hold new values (all others are as they were).
+        self.touched_targets: set[str] = set()
 
     # -- DCP protocol -------------------------------------------------------------------------
     def set_up_planner(
@@ -162,7 +164,7 @@ class HFMappingPlanner(LoadPlanner):
         staging_key = read_item.dest_index.fqn.removeprefix(_STAGING_PREFIX)
         if staging_key == read_item.dest_index.fqn:
             with self._lock:
-                self.written_targets.add(read_item.dest_index.fqn)
+                self.touched_targets.add(read_item.dest_index.fqn)
             return
         with self._lock:
             ready = []
@@ -327,7 +329,7 @@ class HFMappingPlanner(LoadPlanner):
                 dest = local[tuple(slice(o, o + s) for o, s in zip(piece.local_offsets, piece.global_box.sizes))]
                 dest.copy_(value[piece.global_box.slices()])
         with self._lock:
-            self.written_targets.add(target)
+            self.touched_targets.add(target)
             del self._deferred[target]
             still_needed = set().union(*(sources for _, _, sources in self._deferred.values()))
             for key in list(self._staging):
