@@ -27,7 +27,7 @@ from hp_dcp_hf.errors import MappingError, MissingKeysError, PlanningError
 from hp_dcp_hf.layout import ShardPiece, local_shard_pieces
 from hp_dcp_hf.mapping.blocks import ReadBlock, read_blocks
 from hp_dcp_hf.mapping.compose import Composition, Opaque, TensorSpec
-from hp_dcp_hf.mapping.stages import model_stages
+from hp_dcp_hf.mapping.stages import model_stages, recorded_source_shapes
 
 logger = logging.getLogger(__name__)
 
@@ -195,6 +195,7 @@ class HFMappingPlanner(LoadPlanner):
             model_stages(self.model, self.weights_mapping),
             sources,
             wanted,
+            stage_shapes=[{}, *recorded_source_shapes(self.model)],
             model=self.model,
             config=config,
             base_model_prefix=getattr(self.model, "base_model_prefix", None),

@@ -145,3 +145,20 @@ def test_unused_checkpoint_keys_are_dropped(mixtral):
     ckpt = dict(ckpt, **{"extra.weight": torch.zeros(2)})
     composition = _compose(model, ckpt, [get_model_conversion_mapping(model)], set(model.state_dict()))
     assert composition.dropped == ["extra.weight"]
+
+
+def test_shape_asking_ops_see_shapes_recorded_by_later_rewrites(mixtral):
+    model, ckpt = mixtral
+    ckpt = {k.replace("block_sparse_moe", "mlp"): v for k, v in ckpt.items()}
+    down = "model.layers.0.mlp.experts.0.w2.weight"
+    check_dims = [WeightConverter("experts.0.w2.weight", "experts.0.w2.weight", [Transpose(0, 1, check_dims=True)])]
+    rewrite = [WeightRenaming("experts.0.w2.weight", "experts.0.down.weight")]
+    final = {n for n in ckpt if n != down} | {"model.layers.0.mlp.experts.0.down.weight"}
+    with pytest.raises(MappingError, match="source_shapes"):
+        _compose(model, ckpt, [check_dims, [WeightConverter("experts.0.w2.weight", "experts.0.down.weight",
+                                                          [Concatenate(dim=0)])]], final)
+    wanted = tuple(reversed(ckpt[down].shape))  # the rewrite says: before me it was transposed
+    composition = _compose(model, ckpt, [check_dims, rewrite], final, stage_shapes=[{}, {down: wanted}])
+    assert tuple(composition.traced["model.layers.0.mlp.experts.0.down.weight"].shape) == wanted
+    with pytest.raises(MappingError, match="does not have"):  # renamed only, and the model lacks it
+        _compose(model, ckpt, [check_dims, rewrite], final)

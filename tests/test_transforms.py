@@ -28,12 +28,15 @@ NAMES = {QKV: "qkv", GATE_UP: "gate_up", EXPERTS: "experts"}
 
 # Tiny models the rewrites apply to: llama with biases everywhere, mixtral (no dense MLP), qwen3_moe
 # whose layer 0 is dense (so all three rewrites apply to one model), sarvam_moe (Glm4Moe: dense
-# layer 0, shared experts next to the stacked ones).
+# layer 0, shared experts next to the stacked ones; its checkpoint ``Split`` asks the model for the
+# shapes of the q/k/v a later rewrite fuses), qwen3_vl_moe (its checkpoint ``Transpose(check_dims)``
+# asks for the shapes of the experts a later rewrite transposes).
 MODELS = {
     "llama": ("llama", dict(attention_bias=True, mlp_bias=True)),
     "mixtral": ("mixtral", {}),
     "qwen3_moe": ("qwen3_moe", dict(mlp_only_layers=[0])),
     "sarvam_moe": ("sarvam_moe", {}),
+    "qwen3_vl_moe": ("qwen3_vl_moe", {}),
 }
 CASES = [
     ("llama", (QKV,)), ("llama", (GATE_UP,)), ("llama", (QKV, GATE_UP)),
@@ -254,7 +257,10 @@ def pretrained(checkpoints):
             for name, ckpt in checkpoints.items()}
 
 
-@pytest.mark.parametrize("case", CASES, ids=_case_id)
+LOAD_CASES = [*CASES, ("sarvam_moe", (QKV, GATE_UP, EXPERTS)), ("qwen3_vl_moe", (EXPERTS,))]
+
+
+@pytest.mark.parametrize("case", LOAD_CASES, ids=_case_id)
 def test_load_into_rewritten_meta_model_is_exact(case, checkpoints, pretrained):
     name, rewrites = case
     ckpt = checkpoints[name]
@@ -275,5 +281,6 @@ def test_load_into_rewritten_meta_model_is_exact(case, checkpoints, pretrained):
     assert not [k for k in state if not torch.equal(state[k], expected[k])]
     assert not report.missing_keys and not report.unexpected_keys
     assert planner.stats.deferred_targets == 0
-    own = sum(state[k].numel() for k in planner.filled) * 2  # bf16 checkpoint
+    own = sum(state[k].numel() * reader.entries[next(iter(planner.composition.source_keys(k)))].itemsize
+              for k in planner.filled)
     assert reader.stats.total().bytes_read == planner.stats.bytes_needed == own

@@ -79,16 +79,28 @@ class Group:
         return {name: value[0] if isinstance(value, list) else value for name, value in out.items()}
 
 
-class _ReachesFinal:
-    """Dict-like membership used by transformers' renaming: does ``name`` survive later stages?
+class _LaterStages:
+    """What the stages after one stage make of a name: the view of the model that stage sees.
 
-    Later stages are simulated on copies of their transforms, so their ``was_used`` flags only
-    reflect the real grouping.
+    Transformers' renaming asks ``name in known`` / ``known.get(name)`` (does ``name`` reach a
+    model tensor through the later stages?), and ops such as ``Split`` or
+    ``Transpose(check_dims=True)`` ask ``model.get_parameter(name)`` for a shape. A name that later
+    stages only rename has the final parameter's shape; a name a later rewrite consumes has the
+    shape that rewrite recorded (``add_weight_mapping(..., source_shapes=...)``). Later stages are
+    simulated on copies of their transforms, so ``was_used`` flags reflect the real grouping only.
     """
 
-    def __init__(self, final_names: Collection[str], later_stages: Sequence[WeightMapping]) -> None:
+    def __init__(
+        self,
+        final_names: Collection[str],
+        later_stages: Sequence[WeightMapping],
+        later_shapes: Sequence[Mapping[str, Sequence[int]]],
+        model: Any,
+    ) -> None:
         self._final = final_names
         self._later = [_split_kinds(copy.deepcopy(list(stage))) for stage in later_stages]
+        self._shapes = later_shapes
+        self._model = model
 
     def __contains__(self, name: object) -> bool:
         assert isinstance(name, str)
@@ -98,6 +110,23 @@ class _ReachesFinal:
 
     def get(self, name: str, default: Any = None) -> Any:
         return True if name in self else default
+
+    def get_parameter(self, name: str) -> torch.Tensor:
+        current = name
+        for (renamings, converters), shapes in zip(self._later, self._shapes):
+            if current in shapes:
+                return torch.empty(tuple(shapes[current]), device="meta")
+            current, pattern = rename_source_key(current, renamings, converters)
+            if pattern is not None:
+                raise MappingError(
+                    "a conversion asks for the shape of a tensor that a later rewrite consumes; record it "
+                    "with add_weight_mapping(..., source_shapes={name: shape})", key=name,
+                )
+        try:
+            return self._model.get_parameter(current)
+        except AttributeError as e:
+            raise MappingError("a conversion asks for the shape of a tensor the model does not have",
+                               key=name) from e
 
 
 def _split_kinds(stage: Sequence[WeightTransform]) -> tuple[list[WeightRenaming], list[WeightConverter]]:
@@ -110,7 +139,7 @@ def _split_kinds(stage: Sequence[WeightTransform]) -> tuple[list[WeightRenaming]
 def group_stage(
     names: Sequence[str],
     stage: WeightMapping,
-    known: _ReachesFinal,
+    known: _LaterStages,
     base_model_prefix: str | None,
 ) -> tuple[list[Group], list[str]]:
     """Group ``names`` by the transform that consumes them; also return the names nothing wants."""
@@ -134,21 +163,13 @@ def group_stage(
     return list(groups.values()), dropped
 
 
-class _Unknown:
-    """``model`` passed to ops of intermediate stages: their parameter shapes do not exist."""
-
-    def get_parameter(self, name: str) -> Any:
-        raise MappingError(
-            "a conversion of an intermediate stage asked for the shape of a model parameter; "
-            "only the final model's parameters exist", key=name,
-        )
-
-
 class Composition:
     """All stages composed: for every final target, how it is made from checkpoint tensors.
 
     Args:
         stages: the checkpoint mapping first, then each recorded rewrite stage.
+        stage_shapes: for each stage, shapes of the tensors it consumes (by name before it), as
+            recorded by the rewrite; only ops that ask for parameter shapes need them.
         sources: checkpoint keys with their shapes and dtypes.
         final_names: names the composition must produce (the model's state dict keys to fill).
         model: the final model, for ops that read parameter shapes and for the config.
@@ -163,6 +184,7 @@ class Composition:
         sources: Mapping[str, TensorSpec],
         final_names: Collection[str],
         *,
+        stage_shapes: Sequence[Mapping[str, Sequence[int]]] = (),
         model: Any = None,
         config: Any = None,
         base_model_prefix: str | None = None,
@@ -170,6 +192,11 @@ class Composition:
     ) -> None:
         self.trace = trace
         self.stages = [list(stage) for stage in stages] or [[]]
+        shapes = [*stage_shapes, *([{}] * (len(self.stages) - len(stage_shapes)))]
+        # views[i]: the model as stage i's ops and renaming see it (the real one for the last stage)
+        self.views = [
+            _LaterStages(final_names, self.stages[i + 1 :], shapes[i + 1 :], model) for i in range(len(self.stages))
+        ]
         self.sources = dict(sources)
         self._model = model
         self._config = config
@@ -179,12 +206,12 @@ class Composition:
             key: RegionTensor.source(key, spec.shape, spec.dtype) for key, spec in self.sources.items()
         }
         for index, stage in enumerate(self.stages):
-            known = _ReachesFinal(final_names, self.stages[index + 1 :])
+            known = self.views[index]
             prefix = base_model_prefix if index == 0 else None
             groups, dropped = group_stage(list(traced), stage, known, prefix)
             if index == 0:
                 self.dropped = dropped
-            model_for_ops = model if index == len(self.stages) - 1 else _Unknown()
+            model_for_ops = model if index == len(self.stages) - 1 else known
             produced: dict[str, Traced] = {}
             producers: dict[str, Group] = {}
             for group in groups:
@@ -239,7 +266,7 @@ class Composition:
                 return fetch(name)
             if (level, name) not in memo:
                 group = self.levels[level - 1][name]
-                model = self._model if level == len(self.stages) else _Unknown()
+                model = self._model if level == len(self.stages) else self.views[level - 1]
                 outputs = group.run(partial(value, level - 1), model=model, config=self._config)
                 memo.update({(level, n): v for n, v in outputs.items()})
             return memo[(level, name)]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from torch import nn
 from transformers import PreTrainedModel
@@ -12,24 +12,39 @@ from transformers.core_model_loading import WeightTransform
 from hp_dcp_hf.errors import MappingError
 
 _STAGES = "_hp_weight_mapping_stages"
+_SHAPES = "_hp_weight_mapping_source_shapes"
 
 
-def add_weight_mapping(model: nn.Module, transforms: Sequence[WeightTransform]) -> None:
+def add_weight_mapping(
+    model: nn.Module,
+    transforms: Sequence[WeightTransform],
+    *,
+    source_shapes: Mapping[str, Sequence[int]] | None = None,
+) -> None:
     """Record one stage of model rewrites, already applied to ``model``.
 
     ``transforms`` are transformers ``WeightRenaming`` / ``WeightConverter`` whose source names are
     the names before the rewrite and target names the names after it. Stages compose in the
-    order recorded, after the checkpoint's own mapping.
+    order recorded, after the checkpoint's own mapping. ``source_shapes`` gives the shapes of the
+    tensors the rewrite replaced (full names before it): earlier conversions that ask the model for
+    a parameter's shape (``Split``, ``Transpose(check_dims=True)``) find them there.
     """
     transforms = list(transforms)
     if not all(isinstance(t, WeightTransform) for t in transforms):
         raise MappingError(f"a weight mapping stage holds WeightRenaming/WeightConverter only, got {transforms}")
+    shapes = {name: tuple(int(s) for s in shape) for name, shape in (source_shapes or {}).items()}
     setattr(model, _STAGES, [*recorded_stages(model), transforms])
+    setattr(model, _SHAPES, [*recorded_source_shapes(model), shapes])
 
 
 def recorded_stages(model: nn.Module) -> list[list[WeightTransform]]:
     """The rewrite stages recorded on ``model``, oldest first."""
     return list(getattr(model, _STAGES, []))
+
+
+def recorded_source_shapes(model: nn.Module) -> list[dict[str, tuple[int, ...]]]:
+    """For each recorded stage, the shapes of the tensors it replaced."""
+    return list(getattr(model, _SHAPES, []))
 
 
 def model_stages(model: nn.Module, weights_mapping: Sequence[WeightTransform] | None) -> list[list[WeightTransform]]:

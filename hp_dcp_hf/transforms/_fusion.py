@@ -218,7 +218,8 @@ def fuse_sibling_linears(model: nn.Module, names: Sequence[str], fused_name: str
                                 [Concatenate(dim=0)]) for kind in ("weight", "bias")[: 1 + biased]]
 
     stage = scoped_stage(model, owners, converters, renamed)
+    replaced = {name: tuple(model.get_parameter(name).shape) for name in renamed}
     for owner in owners.values():
         fuse_linears(owner, names, fused_name)
-    add_weight_mapping(model, stage)
+    add_weight_mapping(model, stage, source_shapes=replaced)
     return list(owners)

@@ -141,11 +141,12 @@ def grouped_gemm_experts(model: ModelT) -> ModelT:
                 WeightConverter(f"{scope}.down_proj", f"{scope}.w2", [Transpose(1, 2)])]
 
     stage = scoped_stage(model, owners, converters, renamed)
+    replaced = {name: tuple(model.get_parameter(name).shape) for name in renamed}
     for path, experts in owners.items():
         parent_path, _, name = path.rpartition(".")
         with torch.no_grad():
             w13, w2 = (nn.Parameter(p.transpose(1, 2).contiguous(), requires_grad=p.requires_grad)
                        for p in (experts.gate_up_proj, experts.down_proj))
         model.get_submodule(parent_path).register_module(name, GroupedGemmExperts(w13, w2, experts.act_fn))
-    add_weight_mapping(model, stage)
+    add_weight_mapping(model, stage, source_shapes=replaced)
     return model
