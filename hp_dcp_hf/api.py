@@ -63,7 +63,9 @@ def load_hf_checkpoint(
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(model.state_dict(), storage_reader=reader, planner=planner, no_dist=single)
     except CheckpointException as exc:
-        error = unwrap_checkpoint_exception(exc)
+        # torch's dcp.load reduces an error of read_metadata to an AssertionError with its text:
+        # the reader kept the error itself.
+        error = reader.metadata_error or unwrap_checkpoint_exception(exc)
         error.touched_keys = tuple(sorted(planner.touched_targets))  # type: ignore[attr-defined]
         raise error from None
     assert planner.report is not None

@@ -11,7 +11,13 @@ from torch import nn
 from transformers.core_model_loading import ConversionOps, WeightConverter, WeightRenaming
 
 from hp_dcp_hf import HFMappingPlanner, HFStorageReader, add_weight_mapping, load_hf_checkpoint
-from hp_dcp_hf.errors import MappingError, MissingKeysError, PlanningError
+from hp_dcp_hf.errors import (
+    CheckpointNotFoundError,
+    MappingError,
+    MissingKeysError,
+    PlanningError,
+    UnsafeCheckpointError,
+)
 from tests.models import model_class, tiny_config
 
 
@@ -150,3 +156,13 @@ def test_untraceable_stage_is_deferred_reported_and_correct(mixtral_checkpoint, 
     for name, value in model.state_dict().items():
         expected = -reference[name] if name.endswith("experts.down_proj") else reference[name]
         assert torch.equal(value, expected.float()), name
+
+
+def test_metadata_errors_come_back_typed_through_dcp(tmp_path):
+    """torch's dcp.load reduces read_metadata errors to AssertionError; the one-call form does not."""
+    model = _Tiny()
+    with pytest.raises(CheckpointNotFoundError):
+        load_hf_checkpoint(model, str(tmp_path / "nowhere"))
+    (tmp_path / "pytorch_model.bin").write_bytes(b"not a pickle we would ever open")
+    with pytest.raises(UnsafeCheckpointError, match="safetensors"):
+        load_hf_checkpoint(model, str(tmp_path))

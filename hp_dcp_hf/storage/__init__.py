@@ -6,6 +6,7 @@ from hp_dcp_hf.storage.header import MAX_HEADER_BYTES, FileHeader, TensorEntry, 
 from hp_dcp_hf.storage.location import CheckpointLocation, RangeFile, filesystem, locate
 from hp_dcp_hf.storage.ranges import Piece, Request, box_byte_ranges, coalesce, split_box
 from hp_dcp_hf.storage.reader import HFStorageReader
+from hp_dcp_hf.storage.remote import RetryPolicy
 from hp_dcp_hf.storage.stats import FileStats, ReadStats
 
 __all__ = [
@@ -21,6 +22,7 @@ __all__ = [
     "RangeFile",
     "ReadStats",
     "Request",
+    "RetryPolicy",
     "SafetensorsDtype",
     "TensorEntry",
     "box_byte_ranges",

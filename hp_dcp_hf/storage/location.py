@@ -1,39 +1,41 @@
 """Where a checkpoint lives, and byte-range reads from it, whatever the backend.
 
-Everything above this module sees a :class:`CheckpointLocation`: a root directory on an fsspec
-filesystem plus file names relative to it. Callers never branch on the backend; local files get
-``os.preadv`` straight into the caller's buffers (no intermediate copy), every other filesystem gets
-exact ranged ``cat_file`` calls (never ``open()``, whose read-ahead fetches far past the range).
+Everything above this module sees a :class:`CheckpointLocation`: a root directory plus file names
+relative to it, answered by a :class:`Backend`, the one small interface every kind of storage
+implements (``locate``, ``isfile``, ``size``, ``list_files``, ``open``). Callers never branch on
+the backend. Local files get ``os.preadv`` straight into the caller's buffers (no intermediate
+copy); other fsspec filesystems (``s3://``, ``memory://``, ...) get exact ranged ``cat_file``
+calls (never ``open()``, whose read-ahead fetches far past the range), retried on transient
+errors; ``http(s)://`` URLs and Hugging Face Hub repos (``hf://``, bare ``org/repo``) have
+backends of their own in :mod:`hp_dcp_hf.storage.remote`.
+
+Only :meth:`Backend.open` (and the reads of the handle it returns) runs on every rank during a
+load; everything else is metadata, asked by the rank that reads the headers.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import posixpath
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import fsspec
 from fsspec import AbstractFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
-from hp_dcp_hf.errors import CheckpointNotFoundError, StorageReadError
+from hp_dcp_hf.errors import CheckpointNotFoundError, HPDCPHFError, StorageReadError
+
+if TYPE_CHECKING:
+    from hp_dcp_hf.storage.remote import RetryPolicy
 
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 
 REMOTE_BLOCK_BYTES = 16 * 2**20
 """Largest single ``cat_file`` request: bounds the temporary ``bytes`` a remote read holds at once."""
 
-
-def filesystem(
-    path: str | os.PathLike, storage_options: Mapping[str, Any] | None = None
-) -> tuple[AbstractFileSystem, str]:
-    """The fsspec filesystem of ``path`` and the path in its terms; no I/O on local or object stores."""
-    try:
-        fs, fspath = fsspec.core.url_to_fs(os.fspath(path), **dict(storage_options or {}))
-    except (ValueError, ImportError) as e:
-        raise CheckpointNotFoundError(f"no filesystem for this path: {e}", file=os.fspath(path)) from e
-    return fs, fspath.rstrip("/") or fspath
+T = TypeVar("T")
 
 
 class RangeFile:
@@ -65,6 +67,21 @@ class RangeFile:
         return StorageReadError(
             f"short read: {got} of {end - start} bytes at [{start}, {end})", file=self.file
         )
+
+
+def fill_views(views: list[memoryview], position: tuple[int, int], data: memoryview) -> tuple[int, int]:
+    """Copy ``data`` into ``views`` from ``position`` (view index, offset); the position after it."""
+    index, offset = position
+    taken = 0
+    while taken < len(data):
+        view = views[index]
+        n = min(view.nbytes - offset, len(data) - taken)
+        view[offset : offset + n] = data[taken : taken + n]
+        taken += n
+        offset += n
+        if offset == view.nbytes:
+            index, offset = index + 1, 0
+    return index, offset
 
 
 class _LocalFile(RangeFile):
@@ -102,82 +119,269 @@ class _LocalFile(RangeFile):
         os.close(self._fd)
 
 
-class _FsspecFile(RangeFile):
-    """Any other fsspec filesystem: exact ranged ``cat_file`` calls of at most REMOTE_BLOCK_BYTES."""
+# -- fsspec: transient errors ---------------------------------------------------------------------
 
-    def __init__(self, file: str, fs: AbstractFileSystem, path: str) -> None:
+_PERMANENT_OS_ERRORS = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
+
+
+def _network_error_types() -> tuple[type[BaseException], ...]:
+    """Transport error types of the async clients fsspec filesystems use, where installed."""
+    types: list[type[BaseException]] = [asyncio.TimeoutError]
+    try:
+        import aiohttp
+
+        types += [aiohttp.ClientConnectionError, aiohttp.ClientPayloadError]
+    except ImportError:
+        pass
+    try:
+        from botocore.exceptions import HTTPClientError
+
+        types.append(HTTPClientError)
+    except ImportError:
+        pass
+    return tuple(types)
+
+
+def fsspec_error_is_transient(error: BaseException) -> bool:
+    """Worth retrying: I/O errors other than missing/forbidden paths, timeouts, dropped connections."""
+    if isinstance(error, _PERMANENT_OS_ERRORS):
+        return False
+    return isinstance(error, (OSError, *_network_error_types()))
+
+
+class _FsspecFile(RangeFile):
+    """Any other fsspec filesystem: exact ranged ``cat_file`` calls of at most REMOTE_BLOCK_BYTES.
+
+    Transient errors are retried under ``retry`` (see :class:`~hp_dcp_hf.storage.remote.RetryPolicy`);
+    a body shorter than asked is a file shorter than its header says, one longer is a server that
+    ignored the range: both raise at once.
+    """
+
+    def __init__(
+        self, file: str, fs: AbstractFileSystem, path: str, retry: RetryPolicy | None = None
+    ) -> None:
         super().__init__(file)
         self._fs = fs
         self._path = path
+        self._retry = retry
 
     def read(self, start: int, end: int) -> bytes:
+        def attempt() -> bytes:
+            return self._fs.cat_file(self._path, start=start, end=end)
+
         try:
-            data = self._fs.cat_file(self._path, start=start, end=end)
+            if self._retry is None:
+                data = attempt()
+            else:
+                data = self._retry.run(
+                    attempt, what=f"ranged read [{start}, {end})", file=self.file,
+                    is_transient=fsspec_error_is_transient,
+                )
+        except HPDCPHFError:
+            raise
         except FileNotFoundError as e:
             raise CheckpointNotFoundError("file does not exist", file=self.file) from e
-        except OSError as e:
-            raise StorageReadError(f"ranged read [{start}, {end}) failed: {e}", file=self.file) from e
-        if len(data) != end - start:
-            # Servers that ignore Range send the whole file; short bodies mean a truncated file.
+        except Exception as e:
+            raise StorageReadError(
+                f"ranged read [{start}, {end}) failed: {type(e).__name__}: {e}", file=self.file
+            ) from e
+        if len(data) > end - start:
+            raise StorageReadError(
+                f"asked for bytes [{start}, {end}) ({end - start} bytes) and got {len(data)}: the store "
+                "ignored the byte range (a whole-file answer); ranged reads need a store that honours Range",
+                file=self.file,
+            )
+        if len(data) < end - start:
             raise self._short(start, end, len(data))
         return data
 
     def read_into(self, start: int, buffers: Sequence[Any]) -> None:
         views = [memoryview(b).cast("B") for b in buffers]
         end = start + sum(v.nbytes for v in views)
-        pos, index, offset = start, 0, 0
+        pos, position = start, (0, 0)
         while pos < end:
             data = memoryview(self.read(pos, min(end, pos + REMOTE_BLOCK_BYTES)))
-            taken = 0
-            while taken < len(data):
-                view = views[index]
-                n = min(view.nbytes - offset, len(data) - taken)
-                view[offset : offset + n] = data[taken : taken + n]
-                taken += n
-                offset += n
-                if offset == view.nbytes:
-                    index, offset = index + 1, 0
+            position = fill_views(views, position, data)
             pos += len(data)
 
 
-class CheckpointLocation:
-    """A directory on an fsspec filesystem holding checkpoint files, named relative to it."""
+# -- backends -------------------------------------------------------------------------------------
 
-    def __init__(self, fs: AbstractFileSystem, root: str) -> None:
+
+class Backend:
+    """What a checkpoint load asks of its storage; one subclass per kind of store.
+
+    ``path`` arguments are in the backend's own terms (what :func:`filesystem` returned, or a
+    :meth:`join` of a root and a file name). Every method may do I/O except :meth:`open` and
+    :meth:`join`: those run on every rank, from metadata another rank may have resolved.
+    """
+
+    fs: AbstractFileSystem | None = None
+    """The fsspec filesystem behind the backend, when there is one."""
+
+    def join(self, root: str, file: str) -> str:
+        return posixpath.join(root, file) if root else file
+
+    def locate(self, path: str) -> tuple[str, str | None]:
+        """The checkpoint root of ``path`` and, when it names one file, that file's name.
+
+        A backend may pin the root here (a Hub revision becomes its commit), so that every rank
+        reading files under the returned root reads the same bytes.
+        """
+        if self.isfile(path):
+            return posixpath.dirname(path), posixpath.basename(path)
+        if self.isdir(path):
+            return path, None
+        raise CheckpointNotFoundError("no such file or directory", file=path)
+
+    def isfile(self, path: str) -> bool:
+        raise NotImplementedError
+
+    def isdir(self, path: str) -> bool:
+        raise NotImplementedError
+
+    def size(self, path: str) -> int:
+        """The size of the file at ``path``; ``FileNotFoundError`` when it does not exist."""
+        raise NotImplementedError
+
+    def list_files(self, root: str) -> list[str]:
+        """Names of the plain files directly under ``root``, sorted."""
+        raise NotImplementedError
+
+    def open(self, path: str, file: str) -> RangeFile:
+        """A handle for ranged reads of the file at ``path`` (named ``file`` in errors); no I/O."""
+        raise NotImplementedError
+
+
+class FsspecBackend(Backend):
+    """Any fsspec filesystem; local files are read with ``preadv``, others with retried ``cat_file``."""
+
+    def __init__(self, fs: AbstractFileSystem, retry: RetryPolicy | None = None) -> None:
         self.fs = fs
+        self.local = isinstance(fs, LocalFileSystem)
+        if retry is None and not self.local:
+            from hp_dcp_hf.storage.remote import RetryPolicy
+
+            retry = RetryPolicy()
+        self.retry = None if self.local else retry
+
+    def __repr__(self) -> str:
+        return f"FsspecBackend({type(self.fs).__name__})"
+
+    def _call(self, what: str, path: str, fn: Callable[[], T]) -> T:
+        if self.retry is None:
+            return fn()
+        try:
+            return self.retry.run(fn, what=what, file=path, is_transient=fsspec_error_is_transient)
+        except (HPDCPHFError, FileNotFoundError):
+            raise
+        except Exception as e:  # credentials, permissions, ...: one typed error on every rank
+            raise StorageReadError(f"{what} failed: {type(e).__name__}: {e}", file=path) from e
+
+    def isfile(self, path: str) -> bool:
+        return self._call("isfile", path, lambda: self.fs.isfile(path))
+
+    def isdir(self, path: str) -> bool:
+        return self._call("isdir", path, lambda: self.fs.isdir(path))
+
+    def size(self, path: str) -> int:
+        return int(self._call("size", path, lambda: self.fs.size(path)))
+
+    def list_files(self, root: str) -> list[str]:
+        entries = self._call("list", root, lambda: self.fs.ls(root, detail=True))
+        return sorted(posixpath.basename(e["name"].rstrip("/")) for e in entries if e.get("type") == "file")
+
+    def open(self, path: str, file: str) -> RangeFile:
+        if self.local:
+            return _LocalFile(file, path)
+        return _FsspecFile(file, self.fs, path, self.retry)
+
+
+def as_backend(fs: Backend | AbstractFileSystem) -> Backend:
+    """``fs`` if it is a :class:`Backend`, else the backend of that fsspec filesystem."""
+    if isinstance(fs, Backend):
+        return fs
+    from hp_dcp_hf.storage import remote
+
+    return remote.backend_for_filesystem(fs)
+
+
+# -- public entry points --------------------------------------------------------------------------
+
+
+def filesystem(
+    path: str | os.PathLike,
+    storage_options: Mapping[str, Any] | None = None,
+    *,
+    retry: RetryPolicy | Mapping[str, Any] | None = None,
+) -> tuple[Backend, str]:
+    """The backend of ``path`` and the path in its terms; no network I/O.
+
+    ``path`` is a local path, any fsspec URL (``s3://``, ``gs://``, ``memory://``, ...), an
+    ``http(s)://`` URL, ``hf://[datasets/|spaces/]org/repo[@revision][/subdir]`` or a bare Hub
+    repo id ``org/repo[@revision]`` that is not an existing local path. ``storage_options`` go to
+    the backend (see :mod:`hp_dcp_hf.storage.remote` for the http and Hub ones); ``retry`` is the
+    :class:`~hp_dcp_hf.storage.remote.RetryPolicy` (or its fields as a dict) of remote reads.
+    """
+    from hp_dcp_hf.storage import remote
+
+    text = os.fspath(path)
+    options = dict(storage_options or {})
+    policy = remote.RetryPolicy.of(retry)
+    found = remote.resolve(text, options, policy)
+    if found is not None:
+        return found
+    try:
+        fs, fspath = fsspec.core.url_to_fs(text, **options)
+    except ImportError as e:
+        raise CheckpointNotFoundError(
+            f"no filesystem for this path: {e} (remote stores need pip install 'hp-dcp-hf[remote]')", file=text
+        ) from e
+    except ValueError as e:
+        raise CheckpointNotFoundError(f"no filesystem for this path: {e}", file=text) from e
+    return remote.backend_for_filesystem(fs, policy), fspath.rstrip("/") or fspath
+
+
+class CheckpointLocation:
+    """A directory of checkpoint files, named relative to it, on some :class:`Backend`.
+
+    ``fs`` may be a backend or a plain fsspec filesystem (wrapped in its backend).
+    """
+
+    def __init__(self, fs: Backend | AbstractFileSystem, root: str) -> None:
+        self.backend = as_backend(fs)
+        self.fs = self.backend.fs
         self.root = root
 
     def __repr__(self) -> str:
-        return f"CheckpointLocation({type(self.fs).__name__}, {self.root!r})"
+        return f"CheckpointLocation({self.backend!r}, {self.root!r})"
 
     def path(self, file: str) -> str:
-        return posixpath.join(self.root, file) if self.root else file
+        return self.backend.join(self.root, file)
 
     def exists(self, file: str) -> bool:
-        return self.fs.isfile(self.path(file))
+        return self.backend.isfile(self.path(file))
 
     def size(self, file: str) -> int:
         try:
-            return int(self.fs.size(self.path(file)))
+            return self.backend.size(self.path(file))
         except FileNotFoundError as e:
             raise CheckpointNotFoundError("file does not exist", file=file) from e
 
     def list_files(self) -> list[str]:
         """Names of the plain files directly under the root, sorted."""
-        entries = self.fs.ls(self.root, detail=True)
-        return sorted(posixpath.basename(e["name"].rstrip("/")) for e in entries if e.get("type") == "file")
+        return self.backend.list_files(self.root)
 
     def open(self, file: str) -> RangeFile:
         """A handle for ranged reads of ``file``; use it as a context manager."""
-        if isinstance(self.fs, LocalFileSystem):
-            return _LocalFile(file, self.path(file))
-        return _FsspecFile(file, self.fs, self.path(file))
+        return self.backend.open(self.path(file), file)
 
 
-def locate(fs: AbstractFileSystem, fspath: str) -> tuple[CheckpointLocation, str | None]:
-    """The location of ``fspath`` and, when it names a single file, that file's name."""
-    if fs.isfile(fspath):
-        return CheckpointLocation(fs, posixpath.dirname(fspath)), posixpath.basename(fspath)
-    if fs.isdir(fspath):
-        return CheckpointLocation(fs, fspath), None
-    raise CheckpointNotFoundError("no such file or directory", file=fspath)
+def locate(fs: Backend | AbstractFileSystem, fspath: str) -> tuple[CheckpointLocation, str | None]:
+    """The location of ``fspath`` and, when it names a single file, that file's name.
+
+    Remote backends may pin the location here (a Hub revision is resolved to its commit).
+    """
+    backend = as_backend(fs)
+    root, single_file = backend.locate(fspath)
+    return CheckpointLocation(backend, root), single_file

@@ -41,6 +41,7 @@ from hp_dcp_hf.storage.catalog import Catalog, find_files, scan
 from hp_dcp_hf.storage.header import TensorEntry
 from hp_dcp_hf.storage.location import CheckpointLocation, RangeFile, filesystem, locate
 from hp_dcp_hf.storage.ranges import Piece, Request, box_byte_ranges, coalesce, split_box
+from hp_dcp_hf.storage.remote import RetryPolicy
 from hp_dcp_hf.storage.stats import ReadStats
 
 _ALIGN = 16
@@ -99,7 +100,15 @@ class HFStorageReader(StorageReader):
     in flight. ``staging_bytes``: the most memory reads in flight may hold for staging; a larger
     tensor is read a block of rows at a time. ``broadcast_metadata``: in a process group, rank 0
     alone reads the headers and broadcasts them (every rank must then call ``read_metadata``,
-    which ``dcp.load`` does).
+    which ``dcp.load`` does). ``retry``: the :class:`~hp_dcp_hf.storage.remote.RetryPolicy` of
+    remote reads, or a dict of its fields.
+
+    Remote paths: ``s3://bucket/prefix`` (and other fsspec URLs), ``http(s)://`` directories that
+    serve ``model.safetensors.index.json`` (or one ``.safetensors`` file), ``hf://org/repo[@rev]
+    [/subdir]`` and bare ``org/repo[@rev]`` Hub ids; see :mod:`hp_dcp_hf.storage.remote` for their
+    options. A Hub revision is resolved to its commit on the rank that reads the headers and
+    travels with them, so every rank reads that commit (``resolved_root`` names it after
+    ``read_metadata``).
 
     After a load, ``entries`` maps every checkpoint key to its :class:`TensorEntry` and ``stats``
     counts what was read (reset by :meth:`reset`).
@@ -114,6 +123,7 @@ class HFStorageReader(StorageReader):
         num_threads: int = 8,
         staging_bytes: int = 64 * 2**20,
         broadcast_metadata: bool = True,
+        retry: RetryPolicy | Mapping[str, Any] | None = None,
         **fs_kwargs: Any,
     ) -> None:
         super().__init__()
@@ -127,21 +137,29 @@ class HFStorageReader(StorageReader):
         self.num_threads = num_threads
         self.staging_bytes = staging_bytes
         self.broadcast_metadata = broadcast_metadata
+        self.retry = RetryPolicy.of(retry)
         self.reset(path)
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         """Start a new load (of ``checkpoint_id`` when given): forget entries, zero the stats."""
         if checkpoint_id:
             self.path = os.fspath(checkpoint_id)
-            self._fs, self._fspath = filesystem(self.path, self.storage_options)
+            self._fs, self._fspath = filesystem(self.path, self.storage_options, retry=self.retry)
         self.entries: dict[str, TensorEntry] = {}
         self.stats = ReadStats()
         self.load_id = str(uuid.uuid4())
+        self.metadata_error: Exception | None = None
         self._location: CheckpointLocation | None = None
 
     @property
     def checkpoint_id(self) -> str:
         return self.path
+
+    @property
+    def resolved_root(self) -> str | None:
+        """The directory files are read from, as located by ``read_metadata`` (a Hub root names its
+        commit); ``None`` before."""
+        return self._location.root if self._location is not None else None
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
@@ -160,7 +178,19 @@ class HFStorageReader(StorageReader):
         return scan(location, single_file, self.stats, self.num_threads)
 
     def read_metadata(self) -> Metadata:
-        """One whole-tensor chunk per checkpoint key, read once on rank 0 when in a process group."""
+        """One whole-tensor chunk per checkpoint key, read once on rank 0 when in a process group.
+
+        An error is also kept in ``metadata_error``: torch's ``dcp.load`` turns exceptions of
+        ``read_metadata`` into an ``AssertionError`` carrying only their text.
+        """
+        try:
+            return self._read_metadata()
+        except Exception as error:
+            self.metadata_error = error
+            raise
+
+    def _read_metadata(self) -> Metadata:
+        self.metadata_error = None
         if self.broadcast_metadata and should_broadcast():
             scanned: list[Catalog] = []
 

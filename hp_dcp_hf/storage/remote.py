@@ -1,0 +1,664 @@
+"""Remote checkpoints: S3 (and any fsspec store), plain HTTP(S) and the Hugging Face Hub.
+
+Each kind of store is a :class:`~hp_dcp_hf.storage.location.Backend`; what differs between them
+stays here:
+
+* **fsspec stores** (``s3://``, ``gs://``, ...): :class:`~hp_dcp_hf.storage.location.FsspecBackend`
+  with exact ranged ``cat_file`` calls (never ``open()``: no read-ahead), retried under
+  :class:`RetryPolicy`. Storage options go to the fsspec filesystem (for s3fs: ``key``,
+  ``secret``, ``client_kwargs={"endpoint_url": ...}``, ``config_kwargs``, ``anon``, ...).
+* **HTTP(S)** (:class:`HttpBackend`): a directory URL must serve ``model.safetensors.index.json``
+  (a web server cannot be listed), or the URL names one ``.safetensors`` file. Every read is a
+  ``GET`` with ``Range``; the answer must be 206 with the asked ``Content-Range`` (a server that
+  answers 200 with the whole file is reported, the connection dropped before the body is read).
+  Options: ``headers``, ``verify``, ``cert``, ``proxies`` (as ``requests`` takes them).
+* **Hugging Face Hub** (:class:`HubBackend`): ``hf://[datasets/|spaces/]org/repo[@rev][/subdir]``
+  or a bare ``org/repo[@rev]``. Metadata goes through ``HfFileSystem`` (options: ``endpoint``,
+  ``token``, ``revision``, others to ``HfFileSystem``); the revision is resolved to its commit
+  when the checkpoint is located, so the root every rank reads from (broadcast by rank 0 with the
+  headers) names the commit, never a branch that could move. Data reads are ranged ``GET``\\ s of
+  ``{endpoint}/{repo}/resolve/{commit}/{file}`` through the same client as HTTP, so ranks other
+  than the one reading the headers send no metadata request at all.
+
+Transient failures (HTTP 408/425/429/5xx, connection resets, timeouts, bodies cut short) are
+retried with exponential backoff and jitter, resuming after the bytes already received, within
+:class:`RetryPolicy`'s attempts and deadline; then, or at once for permanent failures (404, 403,
+a server ignoring ``Range``, a file shorter than its header says), a :class:`StorageReadError` or
+:class:`CheckpointNotFoundError` names the file and the last error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import os
+import random
+import re
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any, TypeVar
+from urllib.parse import quote, urlsplit
+
+from fsspec import AbstractFileSystem
+
+from hp_dcp_hf.errors import CheckpointNotFoundError, HPDCPHFError, StorageReadError
+from hp_dcp_hf.storage.location import Backend, FsspecBackend, RangeFile
+
+T = TypeVar("T")
+
+INDEX_FILE = "model.safetensors.index.json"  # catalog.INDEX_FILE; catalog imports this package's base
+_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".pkl", ".json")
+
+_READ_CHUNK = 1 << 20
+"""Most bytes asked of one ``readinto`` of a response body (straight into the destination)."""
+
+
+# -- retry policy ---------------------------------------------------------------------------------
+
+
+class TransientError(StorageReadError):
+    """A failure worth retrying (HTTP 5xx/429, dropped connection, truncated body)."""
+
+    def __init__(self, reason: str, *, file: str | None = None, retry_after: float | None = None) -> None:
+        super().__init__(reason, file=file)
+        self.retry_after = retry_after
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How remote reads retry: ``attempts`` tries per request within ``deadline_s``.
+
+    Waits start at ``backoff_s`` and double up to ``max_backoff_s``, each drawn uniformly from
+    its upper half (jitter, so ranks and threads do not retry in lockstep); a ``Retry-After``
+    header lengthens a wait up to ``max_backoff_s``. ``connect_timeout_s`` and ``read_timeout_s``
+    bound each HTTP(S)/Hub try (for s3fs, set ``config_kwargs={"connect_timeout": ...,
+    "read_timeout": ...}`` in the storage options). So a persistent failure raises after at most
+    about ``deadline_s`` plus one try's timeouts.
+    """
+
+    attempts: int = 5
+    backoff_s: float = 0.5
+    max_backoff_s: float = 8.0
+    deadline_s: float = 120.0
+    connect_timeout_s: float = 10.0
+    read_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1 or min(self.backoff_s, self.max_backoff_s, self.deadline_s) < 0:
+            raise ValueError(f"a retry policy needs attempts >= 1 and non-negative times, got {self}")
+        if min(self.connect_timeout_s, self.read_timeout_s) <= 0:
+            raise ValueError(f"a retry policy needs positive timeouts, got {self}")
+
+    @classmethod
+    def of(cls, value: RetryPolicy | Mapping[str, Any] | None) -> RetryPolicy:
+        """``value`` itself, a policy from a dict of its fields, or the default policy."""
+        if value is None:
+            return cls()
+        if isinstance(value, RetryPolicy):
+            return value
+        unknown = set(value) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown retry policy fields {sorted(unknown)}; known: {[f.name for f in fields(cls)]}")
+        return cls(**value)
+
+    @property
+    def timeout(self) -> tuple[float, float]:
+        return (self.connect_timeout_s, self.read_timeout_s)
+
+    def run(
+        self,
+        attempt: Callable[[], T],
+        *,
+        what: str,
+        file: str | None,
+        is_transient: Callable[[BaseException], bool] | None = None,
+    ) -> T:
+        """``attempt()``, retried while it raises :class:`TransientError` or what ``is_transient`` accepts."""
+        start = time.monotonic()
+        delay = self.backoff_s
+        tries = 0
+        while True:
+            tries += 1
+            try:
+                return attempt()
+            except Exception as error:
+                transient = isinstance(error, TransientError) or (
+                    is_transient is not None and not isinstance(error, HPDCPHFError) and is_transient(error)
+                )
+                if not transient:
+                    raise
+                elapsed = time.monotonic() - start
+                wait = delay * random.uniform(0.5, 1.0)
+                retry_after = getattr(error, "retry_after", None)
+                if retry_after is not None:
+                    wait = max(wait, min(retry_after, self.max_backoff_s))
+                if tries >= self.attempts or elapsed + wait > self.deadline_s:
+                    reason = error.reason if isinstance(error, HPDCPHFError) else f"{type(error).__name__}: {error}"
+                    raise StorageReadError(
+                        f"{what} failed {tries} time(s) in {elapsed:.1f} s, giving up (retry policy: "
+                        f"{self.attempts} attempts within {self.deadline_s:g} s); last error: {reason}",
+                        file=file,
+                    ) from error
+                time.sleep(wait)
+                delay = min(delay * 2, self.max_backoff_s)
+
+
+# -- HTTP client ----------------------------------------------------------------------------------
+
+
+def _require_requests():
+    try:
+        import requests
+    except ImportError as e:  # pragma: no cover - requests ships with the [remote] extra
+        raise CheckpointNotFoundError(
+            "http(s) and Hub checkpoints need the 'requests' package: pip install 'hp-dcp-hf[remote]'"
+        ) from e
+    return requests
+
+
+def _user_agent() -> str:
+    from hp_dcp_hf import __version__
+
+    agent = f"hp-dcp-hf/{__version__}"
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            agent += f" rank/{dist.get_rank()}"
+    except Exception:  # pragma: no cover - a label only
+        pass
+    return agent
+
+
+def _http_error_is_transient(error: BaseException) -> bool:
+    """Network failures worth a new try; TLS and URL errors are not."""
+    requests = _require_requests()
+    import urllib3
+
+    exc = requests.exceptions
+    if isinstance(error, exc.SSLError | exc.InvalidURL | exc.InvalidSchema | exc.MissingSchema | exc.InvalidHeader):
+        return False
+    return isinstance(
+        error,
+        (
+            exc.ConnectionError,
+            exc.Timeout,
+            exc.ChunkedEncodingError,
+            urllib3.exceptions.ProtocolError,
+            urllib3.exceptions.TimeoutError,
+            http.client.HTTPException,
+            ConnectionError,
+            TimeoutError,
+        ),
+    )
+
+
+def _retry_after(value: str | None) -> float | None:
+    try:
+        return max(0.0, float(value)) if value is not None else None
+    except ValueError:
+        return None  # an HTTP date: use our own backoff
+
+
+_CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
+
+
+class HttpClient:
+    """Ranged GETs and HEADs over ``requests``: one session (connection pool) per thread, retries.
+
+    ``headers`` go with every request (after ours: ``User-Agent``, ``Accept-Encoding: identity``);
+    ``session_options`` are ``verify``, ``cert``, ``proxies`` of a ``requests.Session``.
+    """
+
+    def __init__(
+        self,
+        retry: RetryPolicy,
+        headers: Mapping[str, str] | None = None,
+        session_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.retry = retry
+        self.headers = dict(headers or {})
+        self.session_options = dict(session_options or {})
+        self._local = threading.local()
+
+    def _session(self):
+        session = getattr(self._local, "session", None)
+        if session is None:
+            requests = _require_requests()
+            session = requests.Session()
+            for name, value in self.session_options.items():
+                setattr(session, name, value)
+            self._local.session = session
+        return session
+
+    def _headers(self, extra: Mapping[str, str]) -> dict[str, str]:
+        return {"User-Agent": _user_agent(), "Accept-Encoding": "identity", **self.headers, **extra}
+
+    @staticmethod
+    def _status_error(response: Any, what: str, file: str) -> HPDCPHFError:
+        code = response.status_code
+        detail = f"HTTP {code} {response.reason or ''}".rstrip()
+        hub_code = response.headers.get("X-Error-Code")
+        if hub_code:
+            detail += f" ({hub_code})"
+        if code in (404, 410):
+            return CheckpointNotFoundError(f"{what}: not found, {detail}", file=file)
+        if code in (401, 403):
+            return StorageReadError(
+                f"{what}: access denied, {detail}; pass credentials (token= for the Hub, headers= for http)",
+                file=file,
+            )
+        if code in (408, 425, 429) or (500 <= code < 600 and code not in (501, 505)):
+            return TransientError(
+                f"{what}: {detail}", file=file, retry_after=_retry_after(response.headers.get("Retry-After"))
+            )
+        return StorageReadError(f"{what}: unexpected {detail}", file=file)
+
+    def _run(self, attempt: Callable[[], T], what: str, file: str) -> T:
+        return self.retry.run(attempt, what=what, file=file, is_transient=_http_error_is_transient)
+
+    def _get(self, url: str, headers: Mapping[str, str]):
+        return self._session().get(
+            url, headers=self._headers(headers), stream=True, timeout=self.retry.timeout, allow_redirects=True
+        )
+
+    def probe(self, url: str, file: str) -> int | None:
+        """The size of the file at ``url``, or ``None`` when the server says it does not exist."""
+
+        def attempt() -> int | None:
+            with self._session().head(
+                url, headers=self._headers({}), timeout=self.retry.timeout, allow_redirects=True
+            ) as response:
+                if response.status_code in (404, 410):
+                    return None
+                length = response.headers.get("Content-Length")
+                if response.status_code == 200 and length is not None:
+                    return int(length)
+                if response.status_code not in (200, 405, 501):
+                    raise self._status_error(response, "HEAD", file)
+            # No HEAD, or no length in its answer: ask for the first byte and read the total.
+            with self._get(url, {"Range": "bytes=0-0"}) as response:
+                if response.status_code in (404, 410):
+                    return None
+                if response.status_code in (206, 416):
+                    m = _CONTENT_RANGE.match(response.headers.get("Content-Range", "").replace("*/", "0-0/"))
+                    if m and m.group(3) != "*":
+                        return int(m.group(3))
+                if response.status_code == 200 and response.headers.get("Content-Length") is not None:
+                    return int(response.headers["Content-Length"])
+                if response.status_code >= 400:
+                    raise self._status_error(response, "size probe", file)
+                raise StorageReadError(f"cannot tell the size: HTTP {response.status_code} without a length", file=file)
+
+        return self._run(attempt, "HEAD", file)
+
+    def read_into(self, url: str, file: str, start: int, buffers: Sequence[Any]) -> None:
+        """Fill ``buffers`` from the bytes at ``start``: ranged GETs, resumed after what arrived."""
+        views = [v for v in (memoryview(b).cast("B") for b in buffers) if v.nbytes]
+        end = start + sum(v.nbytes for v in views)
+        if end == start:
+            return
+        progress = {"pos": start, "index": 0, "offset": 0}
+        what = f"GET bytes [{start}, {end})"
+
+        def attempt() -> None:
+            pos = progress["pos"]
+            with self._get(url, {"Range": f"bytes={pos}-{end - 1}"}) as response:
+                self._check_range(response, file, pos, end)
+                raw = response.raw
+                while progress["pos"] < end:
+                    view = views[progress["index"]]
+                    offset = progress["offset"]
+                    n = raw.readinto(view[offset : offset + min(_READ_CHUNK, view.nbytes - offset)])
+                    if not n:
+                        raise TransientError(
+                            f"body ended after {progress['pos'] - pos} of {end - pos} bytes", file=file
+                        )
+                    progress["pos"] += n
+                    progress["offset"] += n
+                    if progress["offset"] == view.nbytes:
+                        progress["index"] += 1
+                        progress["offset"] = 0
+
+        self._run(attempt, what, file)
+
+    def _check_range(self, response: Any, file: str, pos: int, end: int) -> None:
+        """The answer carries exactly the bytes ``[pos, end)``, or raise (before reading the body)."""
+        code = response.status_code
+        asked = f"bytes [{pos}, {end})"
+        encoding = response.headers.get("Content-Encoding", "identity").lower()
+        if code in (200, 206) and encoding not in ("identity", ""):
+            raise StorageReadError(
+                f"{asked}: the server sent Content-Encoding {encoding!r}; byte ranges need the identity encoding",
+                file=file,
+            )
+        if code == 206:
+            m = _CONTENT_RANGE.match(response.headers.get("Content-Range", ""))
+            if m is None:
+                raise StorageReadError(f"{asked}: 206 without a valid Content-Range header", file=file)
+            first, last, total = int(m.group(1)), int(m.group(2)), m.group(3)
+            if total != "*" and int(total) < end:
+                raise StorageReadError(
+                    f"{asked}: the file has only {total} bytes (it changed since its header was read?)",
+                    file=file,
+                )
+            if first != pos or last + 1 < end:
+                raise StorageReadError(
+                    f"{asked}: the server answered with bytes [{first}, {last + 1}) instead", file=file
+                )
+            return
+        if code == 200:
+            length = response.headers.get("Content-Length")
+            if pos == 0 and length is not None and int(length) == end:
+                return  # the whole file is exactly the range asked
+            raise StorageReadError(
+                f"{asked}: the server ignored the Range header (HTTP 200 with the whole file"
+                f"{f', {length} bytes' if length is not None else ''}); hp-dcp-hf reads byte ranges only, "
+                "serve the checkpoint from a server that honours Range (206 Partial Content)",
+                file=file,
+            )
+        if code == 416:
+            raise StorageReadError(
+                f"{asked}: range not satisfiable ({response.headers.get('Content-Range', 'no size given')}); "
+                "the file is shorter than its header says (it changed since?)",
+                file=file,
+            )
+        raise self._status_error(response, f"GET {asked}", file)
+
+
+class HttpRangeFile(RangeFile):
+    """One file behind a URL, read with ranged GETs (no I/O until the first read)."""
+
+    def __init__(self, file: str, url: str, client: HttpClient) -> None:
+        super().__init__(file)
+        self.url = url
+        self._client = client
+
+    def read_into(self, start: int, buffers: Sequence[Any]) -> None:
+        self._client.read_into(self.url, self.file, start, buffers)
+
+
+# -- plain HTTP(S) --------------------------------------------------------------------------------
+
+_HTTP_OPTIONS = ("headers", "verify", "cert", "proxies")
+
+
+class HttpBackend(Backend):
+    """Checkpoints behind ``http(s)://`` URLs: the index names the files, reads are ranged GETs."""
+
+    def __init__(self, retry: RetryPolicy | None = None, **options: Any) -> None:
+        unknown = set(options) - set(_HTTP_OPTIONS)
+        if unknown:
+            raise ValueError(
+                f"unknown storage options for http(s) checkpoints: {sorted(unknown)}; known: {list(_HTTP_OPTIONS)}"
+            )
+        session_options = {k: options[k] for k in ("verify", "cert", "proxies") if k in options}
+        self.client = HttpClient(retry or RetryPolicy(), options.get("headers"), session_options)
+        self._probed: dict[str, int | None] = {}  # url -> size (None: absent), since the last locate()
+
+    def _probe(self, url: str) -> int | None:
+        """One HEAD per file per load: ``exists`` then ``size`` of a file ask the server once."""
+        if url not in self._probed:
+            self._probed[url] = self.client.probe(url, url)
+        return self._probed[url]
+
+    def __repr__(self) -> str:
+        return "HttpBackend()"
+
+    def join(self, root: str, file: str) -> str:
+        return f"{root.rstrip('/')}/{quote(file, safe='/')}"
+
+    def locate(self, path: str) -> tuple[str, str | None]:
+        self._probed.clear()  # a new load: sizes are asked again
+        parts = urlsplit(path)
+        if parts.query or parts.fragment:
+            raise CheckpointNotFoundError(
+                "http(s) checkpoint URLs cannot carry a query or fragment (file URLs are built from the "
+                "directory URL and the index's file names)",
+                file=path,
+            )
+        url = path.rstrip("/")
+        name = parts.path.rstrip("/").rsplit("/", 1)[-1]
+        if name == INDEX_FILE:
+            return url.rsplit("/", 1)[0], None
+        if name.endswith(_FILE_SUFFIXES):
+            return url.rsplit("/", 1)[0], name
+        return url, None  # a directory: the catalog reads its index (there is no listing)
+
+    def isfile(self, path: str) -> bool:
+        return self._probe(path) is not None
+
+    def isdir(self, path: str) -> bool:
+        return not path.rstrip("/").endswith(_FILE_SUFFIXES)
+
+    def size(self, path: str) -> int:
+        size = self._probe(path)
+        if size is None:
+            raise FileNotFoundError(path)
+        return size
+
+    def list_files(self, root: str) -> list[str]:
+        if self.isfile(self.join(root, INDEX_FILE)):
+            return [INDEX_FILE]
+        raise CheckpointNotFoundError(
+            f"no {INDEX_FILE} here: an http(s) directory cannot be listed, so it must serve its index "
+            "(or pass the URL of a single .safetensors file)",
+            file=self.join(root, INDEX_FILE),
+        )
+
+    def open(self, path: str, file: str) -> RangeFile:
+        return HttpRangeFile(file, path, self.client)
+
+
+# -- Hugging Face Hub -----------------------------------------------------------------------------
+
+_HUB_PINNED = re.compile(
+    r"^(?:(?P<type>datasets|spaces)/)?(?P<repo>[^/@]+/[^/@]+)@(?P<sha>[0-9a-f]{40})(?:/(?P<path>.*))?$"
+)
+_BARE_REPO = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9_][\w.-]*(?:@[^\s]+)?$")
+_REPO_TYPES = {"datasets": "dataset", "spaces": "space"}
+
+
+def _hub_error_is_transient(error: BaseException) -> bool:
+    response = getattr(error, "response", None)
+    code = getattr(response, "status_code", None)
+    if code is not None:
+        return code in (408, 425, 429) or (500 <= code < 600 and code not in (501, 505))
+    transport = [ConnectionError, TimeoutError]
+    for module in ("httpx2", "httpx"):
+        with contextlib.suppress(ImportError, AttributeError):
+            transport.append(__import__(module).TransportError)
+    return isinstance(error, tuple(transport)) or _http_error_is_transient(error)
+
+
+class HubBackend(Backend):
+    """Checkpoints in Hugging Face Hub repos, pinned to a commit when located.
+
+    Options: ``endpoint`` (default ``HF_ENDPOINT`` or huggingface.co), ``token`` (default: the
+    saved login; ``False`` sends none), ``revision`` (instead of ``@rev`` in the path), and any
+    other ``HfFileSystem`` argument.
+    """
+
+    def __init__(
+        self,
+        retry: RetryPolicy | None = None,
+        fs: AbstractFileSystem | None = None,
+        *,
+        revision: str | None = None,
+        hint: str = "",
+        **options: Any,
+    ) -> None:
+        from huggingface_hub import HfFileSystem
+
+        self.fs = fs if fs is not None else HfFileSystem(**options)
+        self.revision = revision
+        self.hint = hint
+        self.retry = retry or RetryPolicy()
+        self._client: HttpClient | None = None
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"HubBackend({self.fs.endpoint})"
+
+    # metadata (the rank that reads headers) -------------------------------------------------
+
+    def _check_online(self, path: str) -> None:
+        from huggingface_hub import constants
+
+        if constants.HF_HUB_OFFLINE:
+            raise CheckpointNotFoundError(
+                f"HF_HUB_OFFLINE is set, so Hub checkpoints cannot be read; unset it, or pass a local copy{self.hint}",
+                file=path,
+            )
+
+    def _call(self, what: str, path: str, fn: Callable[[], T]) -> T:
+        self._check_online(path)
+        try:
+            return self.retry.run(fn, what=what, file=path, is_transient=_hub_error_is_transient)
+        except FileNotFoundError as e:
+            raise CheckpointNotFoundError(
+                f"not found on the Hub ({self.fs.endpoint}): {e}{self.hint}", file=path
+            ) from e
+        except HPDCPHFError:
+            raise
+        except Exception as e:
+            code = getattr(getattr(e, "response", None), "status_code", None)
+            if code in (404, 410) or isinstance(e, ValueError) or type(e).__name__ in (
+                "RepositoryNotFoundError", "RevisionNotFoundError", "EntryNotFoundError"
+            ):
+                raise CheckpointNotFoundError(
+                    f"not found on the Hub ({self.fs.endpoint}): {e}{self.hint}", file=path
+                ) from e
+            raise StorageReadError(f"{what} failed: {type(e).__name__}: {e}", file=path) from e
+
+    def locate(self, path: str) -> tuple[str, str | None]:
+        from huggingface_hub import HfApi
+
+        resolved = self._call("resolve", path, lambda: self.fs.resolve_path(path, revision=self.revision))
+        if not hasattr(resolved, "repo_id"):
+            raise CheckpointNotFoundError("Hub buckets are not checkpoint repos; use hf://org/repo", file=path)
+        api = HfApi(endpoint=self.fs.endpoint, token=self.fs.token)
+        info = self._call(
+            "resolve revision",
+            path,
+            lambda: api.repo_info(resolved.repo_id, repo_type=resolved.repo_type, revision=resolved.revision),
+        )
+        if not info.sha:
+            raise StorageReadError(f"the Hub gave no commit for revision {resolved.revision!r}", file=path)
+        prefix = {"dataset": "datasets/", "space": "spaces/"}.get(resolved.repo_type, "")
+        pinned = f"{prefix}{resolved.repo_id}@{info.sha}"
+        sub = resolved.path_in_repo.strip("/")
+        if not sub:
+            return pinned, None
+        full = f"{pinned}/{sub}"
+        kind = self._kind(full)
+        if kind == "file":
+            parent, _, name = full.rpartition("/")
+            return parent, name
+        if kind == "directory":
+            return full, None
+        raise CheckpointNotFoundError(
+            f"no such file or directory in {resolved.repo_id}@{resolved.revision} ({info.sha})", file=path
+        )
+
+    def _kind(self, path: str) -> str | None:
+        def info() -> str | None:
+            try:
+                return self.fs.info(path)["type"]
+            except FileNotFoundError:
+                return None
+
+        return self._call("info", path, info)
+
+    def isfile(self, path: str) -> bool:
+        return self._kind(path) == "file"
+
+    def isdir(self, path: str) -> bool:
+        return self._kind(path) == "directory"
+
+    def size(self, path: str) -> int:
+        def size() -> int:
+            info = self.fs.info(path)
+            if info["type"] != "file":
+                raise FileNotFoundError(f"{path} is a directory")
+            return int(info["size"])
+
+        self._check_online(path)
+        try:
+            return self.retry.run(size, what="size", file=path, is_transient=_hub_error_is_transient)
+        except FileNotFoundError:
+            raise
+        except HPDCPHFError:
+            raise
+        except Exception as e:
+            raise StorageReadError(f"size failed: {type(e).__name__}: {e}", file=path) from e
+
+    def list_files(self, root: str) -> list[str]:
+        entries = self._call("list", root, lambda: self.fs.ls(root, detail=True))
+        return sorted(e["name"].rstrip("/").rsplit("/", 1)[-1] for e in entries if e.get("type") == "file")
+
+    # data (every rank, no I/O until read) -----------------------------------------------------
+
+    def url(self, path: str) -> str:
+        """The ``resolve`` URL of a file under a pinned root."""
+        from huggingface_hub import hf_hub_url
+
+        m = _HUB_PINNED.match(path)
+        if m is None or not m.group("path"):
+            raise CheckpointNotFoundError(
+                "not a file of a Hub commit (org/repo@<40-hex sha>/file); locate() pins the root first", file=path
+            )
+        return hf_hub_url(
+            m.group("repo"),
+            m.group("path"),
+            repo_type=_REPO_TYPES.get(m.group("type") or ""),
+            revision=m.group("sha"),
+            endpoint=self.fs.endpoint,
+        )
+
+    def _http(self) -> HttpClient:
+        with self._lock:
+            if self._client is None:
+                from huggingface_hub.utils import build_hf_headers
+
+                headers = build_hf_headers(token=self.fs.token)
+                headers.pop("user-agent", None)
+                headers.pop("User-Agent", None)
+                self._client = HttpClient(self.retry, headers)
+            return self._client
+
+    def open(self, path: str, file: str) -> RangeFile:
+        self._check_online(path)
+        return HttpRangeFile(file, self.url(path), self._http())
+
+
+# -- choosing a backend ---------------------------------------------------------------------------
+
+
+def _is_bare_repo_id(path: str) -> bool:
+    return "://" not in path and bool(_BARE_REPO.match(path)) and not os.path.exists(path.split("@", 1)[0])
+
+
+def resolve(path: str, options: dict[str, Any], retry: RetryPolicy) -> tuple[Backend, str] | None:
+    """The backend and path for http(s) URLs and Hub repos; ``None`` for everything fsspec handles."""
+    if re.match(r"^https?://", path, re.IGNORECASE):
+        return HttpBackend(retry, **options), path
+    if path.startswith("hf://"):
+        return HubBackend(retry, **options), path.removeprefix("hf://").rstrip("/")
+    if _is_bare_repo_id(path):
+        hint = f" ({path!r} is no local path, so it was read as a Hub repo id)"
+        return HubBackend(retry, hint=hint, **options), path
+    return None
+
+
+def backend_for_filesystem(fs: AbstractFileSystem, retry: RetryPolicy | None = None) -> Backend:
+    """The backend reading through an fsspec filesystem: the Hub's own for ``HfFileSystem``."""
+    try:
+        from huggingface_hub import HfFileSystem
+    except ImportError:  # pragma: no cover - huggingface_hub is a dependency
+        HfFileSystem = ()  # type: ignore[assignment]  # noqa: N806
+    if isinstance(fs, HfFileSystem):
+        return HubBackend(retry, fs=fs)
+    return FsspecBackend(fs, retry)
