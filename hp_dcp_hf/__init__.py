@@ -3,6 +3,7 @@
 
 from hp_dcp_hf.api import load_hf_checkpoint
 from hp_dcp_hf.mapping.stages import add_weight_mapping
+from hp_dcp_hf.pipeline import from_pretrained
 from hp_dcp_hf.planner import HFMappingPlanner, LoadReport
 from hp_dcp_hf.storage import HFStorageReader
 
@@ -11,6 +12,7 @@ __all__ = [
     "HFStorageReader",
     "LoadReport",
     "add_weight_mapping",
+    "from_pretrained",
     "load_hf_checkpoint",
 ]
 __version__ = "0.1.0"

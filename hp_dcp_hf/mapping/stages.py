@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from transformers import PreTrainedModel
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import WeightTransform
@@ -50,9 +52,27 @@ def recorded_source_shapes(model: nn.Module) -> list[dict[str, tuple[int, ...]]]
 def model_stages(model: nn.Module, weights_mapping: Sequence[WeightTransform] | None) -> list[list[WeightTransform]]:
     """The checkpoint mapping (given, or transformers' for the model type) followed by the rewrites."""
     if weights_mapping is None:
-        weights_mapping = (
-            get_model_conversion_mapping(model, key_mapping=None, hf_quantizer=None)
-            if isinstance(model, PreTrainedModel)
-            else []
-        )
+        if isinstance(model, PreTrainedModel):
+            with _original_classes(model):
+                weights_mapping = get_model_conversion_mapping(model, key_mapping=None, hf_quantizer=None)
+        else:
+            weights_mapping = []
     return [list(weights_mapping), *recorded_stages(model)]
+
+
+@contextmanager
+def _original_classes(model: nn.Module) -> Iterator[None]:
+    """Show transformers the classes FSDP2 wrapped.
+
+    ``fully_shard`` swaps a module's class for ``FSDP<Name>(FSDPModule, <Name>)``, and transformers
+    looks some conversion mappings up by class name: without this, a model sharded before planning
+    would lose them.
+    """
+    wrapped = [(m, type(m)) for m in model.modules() if isinstance(m, FSDPModule)]
+    try:
+        for module, cls in wrapped:
+            module.__class__ = next(c for c in cls.__mro__[1:] if not issubclass(c, FSDPModule))
+        yield
+    finally:
+        for module, cls in wrapped:
+            module.__class__ = cls

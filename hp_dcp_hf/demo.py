@@ -1,0 +1,354 @@
+"""``hp-dcp-hf demo`` (``make demo``): a real multi-rank load of a small MoE checkpoint.
+
+1. Generates a Mixtral-shaped checkpoint with random weights from a transformers config (about
+   210 MB of bf16 in several shards plus an index; written once into a cache directory, then reused).
+2. Plans every rank's reads without a process group (``hp-dcp-hf plan``).
+3. Launches the ranks (gloo, spawned processes). Each builds the model on the meta device,
+   applies the rewrites (default: ``grouped_gemm_experts``), lays it out on a 2-D ``dp x tp`` mesh
+   (TP attention, FSDP2 blocks, experts FSDP-sharded over all ranks) and loads it with the
+   planner, recording every byte range it reads; then loads a second copy with the legacy loader
+   (whole tensors, converted in memory), checks every parameter shard is bit-identical, and runs a
+   forward pass through both (rank 0 also against transformers' single-process ``from_pretrained``).
+4. Prints the per-rank table, the read amplification (bytes read / bytes needed), the legacy
+   loader's bytes, whether the plan predicted the reads exactly, and draws which byte ranges of
+   each file each rank read (``reads.png``; ``reads_legacy.png`` for the legacy loader).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+DEMO_VERSION = 1
+DEMO_CONFIG: dict[str, Any] = dict(
+    vocab_size=32000,
+    hidden_size=512,
+    intermediate_size=1408,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    max_position_embeddings=2048,
+    tie_word_embeddings=False,
+)
+SHARD_SIZE = "48MB"
+MARKER = "hp_dcp_hf_demo.json"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", default="demo_out", help="output directory (default: ./demo_out)")
+    parser.add_argument("--cache-dir", default=None,
+                        help="where the generated checkpoint is kept (default: $HP_DCP_HF_CACHE or ~/.cache/hp_dcp_hf)")
+    parser.add_argument("--mesh", default="dp=2,tp=2", help="mesh dims (their product is the number of ranks)")
+    parser.add_argument("--transforms", default="grouped_gemm_experts", help="comma-separated rewrites")
+    parser.add_argument("--regenerate", action="store_true", help="write the checkpoint again")
+    parser.add_argument("--no-reference", action="store_true",
+                        help="skip the single-process transformers forward on rank 0")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds the ranks may take")
+
+
+def _cache_dir(arg: str | None) -> Path:
+    if arg:
+        return Path(arg)
+    if os.environ.get("HP_DCP_HF_CACHE"):
+        return Path(os.environ["HP_DCP_HF_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "hp_dcp_hf"
+
+
+def ensure_checkpoint(cache_dir: Path, regenerate: bool = False) -> tuple[Path, float | None]:
+    """The demo checkpoint directory and how long generating it took (``None``: reused)."""
+    path = cache_dir / f"demo-mixtral-v{DEMO_VERSION}"
+    marker = path / MARKER
+    if not regenerate and marker.exists():
+        try:
+            if json.loads(marker.read_text()).get("config") == DEMO_CONFIG:
+                return path, None
+        except (OSError, json.JSONDecodeError):
+            pass
+    import torch
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    start = time.perf_counter()
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = cache_dir / f".{path.name}.{os.getpid()}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    torch.manual_seed(0)
+    model = MixtralForCausalLM._from_config(MixtralConfig(**DEMO_CONFIG), dtype=torch.bfloat16)
+    model.save_pretrained(tmp, max_shard_size=SHARD_SIZE)
+    (tmp / MARKER).write_text(json.dumps({"version": DEMO_VERSION, "config": DEMO_CONFIG}, indent=2))
+    del model
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(tmp, path)
+    return path, time.perf_counter() - start
+
+
+# -- ranks -------------------------------------------------------------------------------------
+
+
+def _local(tensor):
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _rank_main(rank: int, world: int, port: int, ckpt: str, mesh_spec: str, transforms: list[str],
+               reference: bool, out_dir: str) -> None:
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from hp_dcp_hf.cli import RecordingReader, progress_planner
+    from hp_dcp_hf.pipeline import FsdpTp, from_pretrained, init_mesh
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=600))
+    try:
+        mesh = init_mesh(mesh_spec)
+        loads: dict[str, Any] = {}
+        models = {}
+        layout: list[str] = []
+        for loader in ("dcp", "legacy"):
+            recipe = FsdpTp(mesh)
+            reader = RecordingReader(ckpt)
+            start = time.perf_counter()
+            model, report = from_pretrained(
+                ckpt, dtype=torch.float32, transforms=transforms, parallelize=recipe, loader=loader,
+                reader=reader, planner_cls=progress_planner(rank == 0, desc=f"rank 0, {loader} loader"),
+            )
+            layout = recipe.applied
+            models[loader] = model
+            loads[loader] = {
+                "bytes_needed": report.plan.bytes_needed, "bytes_read": report.read.bytes_read,
+                "requests": report.read.requests, "ranges": report.read.ranges,
+                "header_bytes": report.read.header_bytes, "load_s": report.seconds["load"],
+                "read_s": reader.read_seconds,
+                "total_s": time.perf_counter() - start, "reads": sorted(reader.reads),
+                "loaded": len(report.loaded_keys), "missing": list(report.missing_keys),
+                "unexpected": list(report.unexpected_keys), "initialized": list(report.initialized_keys),
+            }
+        state = models["dcp"].state_dict()
+        legacy_state = models["legacy"].state_dict()
+        mismatched = sorted(k for k, v in state.items() if not torch.equal(_local(v), _local(legacy_state[k])))
+        ids = torch.randint(DEMO_CONFIG["vocab_size"], (2, 32), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            logits = models["dcp"](input_ids=ids).logits
+            legacy_logits = models["legacy"](input_ids=ids).logits
+        result = {
+            "rank": rank, "coordinate": list(mesh.get_coordinate() or ()), "layout": layout,
+            "dcp": loads["dcp"], "legacy": loads["legacy"], "tensors": len(state), "mismatched": mismatched,
+            "logits_equal": bool(torch.equal(logits, legacy_logits)),
+            "logits_finite": bool(logits.isfinite().all()),
+        }
+    finally:
+        dist.destroy_process_group()
+    if reference and rank == 0:
+        from transformers import MixtralForCausalLM
+
+        ref = MixtralForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+        with torch.no_grad():
+            ref_logits = ref(input_ids=ids).logits
+        result["reference"] = {"max_abs_diff": float((logits - ref_logits).abs().max()),
+                               "max_abs": float(ref_logits.abs().max())}
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+
+
+# -- picture -----------------------------------------------------------------------------------
+
+
+def draw_reads(path: Path, title: str, files: dict[str, int], tensors: dict[str, list[tuple[int, int]]],
+               reads: dict[int, list[tuple[str, int, int]]]) -> None:
+    """One row per checkpoint file; per rank, a lane with the byte ranges it read."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = sorted(files)
+    ranks = sorted(reads)
+    colors = plt.get_cmap("tab10")
+    fig, axes = plt.subplots(len(names), 1, figsize=(13, 1.2 + 0.55 * (len(ranks) + 1) * len(names)), squeeze=False)
+    for ax, name in zip(axes[:, 0], names):
+        size = files[name]
+        spans = sorted(tensors.get(name, []))
+        ax.broken_barh([(s / 2**20, (e - s) / 2**20) for s, e in spans[0::2]], (len(ranks) - 0.4, 0.8),
+                       facecolors="0.75")
+        ax.broken_barh([(s / 2**20, (e - s) / 2**20) for s, e in spans[1::2]], (len(ranks) - 0.4, 0.8),
+                       facecolors="0.55")
+        for lane, rank in enumerate(ranks):
+            runs = [(s / 2**20, max(e - s, 1) / 2**20) for f, s, e in reads[rank] if f == name]
+            if runs:
+                ax.broken_barh(runs, (lane - 0.4, 0.8), facecolors=colors(rank % 10))
+        ax.set_xlim(0, size / 2**20)
+        ax.set_ylim(-0.6, len(ranks) + 0.6)
+        ax.set_yticks([*range(len(ranks)), len(ranks)], [*(f"rank {r}" for r in ranks), "tensors"])
+        ax.invert_yaxis()
+        ax.set_title(f"{name}  ({size / 2**20:.1f} MiB)", fontsize=9, loc="left")
+        ax.tick_params(labelsize=8)
+    axes[-1, 0].set_xlabel("byte offset in file (MiB)")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# -- driver ------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _launch(world: int, args: tuple, debug: bool) -> None:
+    import torch.multiprocessing as mp
+
+    try:
+        mp.start_processes(_rank_main, args=(world, *args), nprocs=world, join=True, start_method="spawn")
+    except mp.ProcessRaisedException as e:
+        if debug:
+            print(str(e), file=sys.stderr)
+        last = [line for line in str(e).strip().splitlines() if line.strip()][-1]
+        raise RuntimeError(f"rank {e.error_index} failed: {last.strip()}") from None
+    except mp.ProcessExitedException as e:
+        raise RuntimeError(f"rank {e.error_index} died (exit code {e.exit_code})") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    """The demo; returns 0 when every check passed."""
+    import math
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    from hp_dcp_hf.cli import _table, fmt_bytes, inspect_checkpoint, plan_ranks
+    from hp_dcp_hf.pipeline import parse_mesh
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    torch.set_num_threads(1)
+    wall = time.perf_counter()
+    sizes = parse_mesh(args.mesh)
+    world = math.prod(sizes.values())
+    transforms = [t.strip() for t in args.transforms.split(",") if t.strip()]
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in out.glob("rank*.json"):
+        stale.unlink()
+
+    ckpt, made_s = ensure_checkpoint(_cache_dir(args.cache_dir), args.regenerate)
+    info = inspect_checkpoint(str(ckpt))
+    catalog = _catalog(ckpt)
+    n_params = sum(math.prod(e.shape) for e in catalog.entries.values())
+    how = f"generated in {made_s:.1f} s" if made_s is not None else "reused"
+    print(f"checkpoint   {ckpt} ({how})")
+    print(f"             MixtralForCausalLM, {n_params / 1e6:.1f}M parameters, {info['tensors']} tensors in "
+          f"{len(info['files'])} files + index, {fmt_bytes(info['tensor_bytes'])} of "
+          + ", ".join(info["dtypes"]))
+    print(f"model        {world} ranks (gloo), mesh " + " x ".join(f"{k}={v}" for k, v in sizes.items())
+          + f", transforms {','.join(transforms) or 'none'}, float32")
+
+    start = time.perf_counter()
+    plan = plan_ranks(str(ckpt), sizes, transforms=transforms, dtype=torch.float32)
+    print(f"plan         every rank's reads planned in {time.perf_counter() - start:.1f} s, no process group")
+    for line in plan["layout"]:
+        print(f"layout       {line}")
+
+    start = time.perf_counter()
+    _launch(world, (_free_port(), str(ckpt), args.mesh, transforms, not args.no_reference, str(out)),
+            getattr(args, "debug", False))
+    ranks_s = time.perf_counter() - start
+    results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+    print(f"ranks        {world} processes finished in {ranks_s:.1f} s (spawn, imports, two loads, forwards)")
+    print()
+
+    rows = []
+    for r in results:
+        d, lg = r["dcp"], r["legacy"]
+        rows.append((r["rank"], ",".join(map(str, r["coordinate"])), fmt_bytes(d["bytes_needed"]),
+                     fmt_bytes(d["bytes_read"]), d["requests"], f"{d['load_s']:.2f}", f"{d['read_s']:.2f}",
+                     f"{d['bytes_read'] / max(d['read_s'], 1e-9) / 1e9:.2f}",
+                     fmt_bytes(lg["bytes_read"]), lg["requests"], f"{lg['load_s']:.2f}"))
+    needed = sum(r["dcp"]["bytes_needed"] for r in results)
+    read = sum(r["dcp"]["bytes_read"] for r in results)
+    legacy_read = sum(r["legacy"]["bytes_read"] for r in results)
+    rows.append(("all", "", fmt_bytes(needed), fmt_bytes(read), sum(r["dcp"]["requests"] for r in results), "", "",
+                 "", fmt_bytes(legacy_read), sum(r["legacy"]["requests"] for r in results), ""))
+    print(_table(("rank", "coord", "bytes needed", "bytes read", "requests", "load s", "read s", "GB/s",
+                  "legacy read", "legacy req", "legacy load s"), rows))
+    print("(load s: the whole dcp.load, metadata and plan exchange included; read s and GB/s: its reads)")
+    print()
+    checks: list[tuple[str, bool, str]] = []
+    print(f"read amplification      {read / max(needed, 1):.3f}  (bytes read / bytes needed, all ranks)")
+    print(f"legacy loader           read {fmt_bytes(legacy_read)} = {legacy_read / max(read, 1):.2f}x the dcp "
+          f"loader's {fmt_bytes(read)} (checkpoint: {fmt_bytes(info['tensor_bytes'])})")
+    predicted = all(
+        (p.bytes_needed, p.bytes_to_read, p.requests) == (r["dcp"]["bytes_needed"], r["dcp"]["bytes_read"],
+                                                          r["dcp"]["requests"])
+        and sorted(map(tuple, p.reads)) == sorted(map(tuple, r["dcp"]["reads"]))
+        for p, r in zip(plan["ranks"], results)
+    )
+    checks.append(("plan", predicted, "the plan (no process group) predicted every rank's byte ranges exactly"
+                   if predicted else "the plan and the measured reads DIFFER"))
+    mismatched = {r["rank"]: r["mismatched"] for r in results if r["mismatched"]}
+    checks.append(("parameters", not mismatched,
+                   f"all {results[0]['tensors']} state-dict tensors bit-identical to the legacy loader on every rank"
+                   if not mismatched else f"DIFFER from the legacy loader: {mismatched}"))
+    problems = [f"rank {r['rank']}: missing {r['dcp']['missing']}, unexpected {r['dcp']['unexpected']}"
+                for r in results if r["dcp"]["missing"] or r["dcp"]["unexpected"]]
+    checks.append(("report", not problems,
+                   f"{results[0]['dcp']['loaded']} tensors loaded, none missing or unexpected; initialized by the "
+                   f"model's own init: {', '.join(results[0]['dcp']['initialized']) or 'nothing'}"
+                   if not problems else "; ".join(problems)))
+    same = all(r["logits_equal"] and r["logits_finite"] for r in results)
+    line = "logits identical to the legacy-loaded model on every rank" if same else "logits DIFFER from legacy"
+    ok_ref = True
+    ref = results[0].get("reference")
+    if ref:
+        ok_ref = ref["max_abs_diff"] <= 1e-4 * max(1.0, ref["max_abs"])
+        line += (f"; max |logits - transformers from_pretrained| = {ref['max_abs_diff']:.2e} "
+                 f"(max |logit| {ref['max_abs']:.2f})")
+    checks.append(("forward", same and ok_ref, line))
+    for name, ok, text in checks:
+        print(f"{name:<23} {'ok  ' if ok else 'FAIL'} {text}")
+
+    files = {f: d["file_bytes"] for f, d in info["files"].items()}
+    spans: dict[str, list[tuple[int, int]]] = {}
+    for entry in catalog.entries.values():
+        spans.setdefault(entry.file, []).append((entry.data_start, entry.data_end))
+    pictures = []
+    for loader, amp in (("dcp", read / max(needed, 1)), ("legacy", legacy_read / max(needed, 1))):
+        name = "reads.png" if loader == "dcp" else "reads_legacy.png"
+        draw_reads(out / name, f"{loader} loader: byte ranges each rank read ({world} ranks, mesh {args.mesh}, "
+                   f"transforms {','.join(transforms) or 'none'}); bytes read / bytes needed = {amp:.2f}",
+                   files, spans, {r["rank"]: [tuple(x) for x in r[loader]["reads"]] for r in results})
+        pictures.append(out / name)
+    (out / "summary.json").write_text(json.dumps({
+        "checkpoint": str(ckpt), "mesh": sizes, "transforms": transforms, "layout": plan["layout"],
+        "ranks": [{k: v for k, v in r.items() if k not in ("dcp", "legacy")}
+                  | {loader: {k: v for k, v in r[loader].items() if k != "reads"} for loader in ("dcp", "legacy")}
+                  for r in results],
+        "read_amplification": read / max(needed, 1), "legacy_bytes_read": legacy_read,
+        "checks": {name: ok for name, ok, _ in checks},
+    }, indent=2))
+    print(f"{'picture':<23}      {pictures[0]} (legacy: {pictures[1].name})")
+    print(f"{'output':<23}      {out}  ({time.perf_counter() - wall:.0f} s in all)")
+    return 0 if all(ok for _, ok, _ in checks) else 1
+
+
+def _catalog(ckpt: Path):
+    from hp_dcp_hf.storage import ReadStats, filesystem, locate, scan
+
+    location, single = locate(*filesystem(str(ckpt)))
+    return scan(location, single, ReadStats())

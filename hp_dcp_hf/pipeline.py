@@ -1,0 +1,548 @@
+"""``from_pretrained``: build, rewrite, parallelize and load a Hugging Face model in three stages.
+
+1. **skeleton**: the config comes from the checkpoint's ``config.json``, read through the storage
+   layer (so any path the reader takes works here too); the model class from ``model_cls`` or the
+   config's ``architectures`` (else transformers' ``AutoModelForCausalLM`` / ``AutoModel``
+   mappings); the model is built on the ``meta`` device, weights tied. The checkpoint mapping
+   (transformers' conversion mapping) is taken from this skeleton, before anything renames it.
+2. **rewrite + parallelize**: every transform rewrites the model in place and records its
+   weight-mapping stage (:mod:`hp_dcp_hf.transforms`); then the user's ``parallelize(model)``
+   (tensor parallelism with ``parallelize_module``, FSDP2 ``fully_shard``, ...) leaves its layout
+   on every parameter. :class:`FsdpTp` is a ready recipe for decoder models.
+3. **materialize + load + finalize**: ``model.to_empty(device=...)`` allocates the local shards,
+   :func:`hp_dcp_hf.load_hf_checkpoint` fills them (each rank reads only what its shards need),
+   and what the checkpoint did not fill is initialized by the model's own init, exactly as
+   transformers does in its ``from_pretrained``: loaded tensors are marked ``_is_hf_initialized``
+   and ``model.initialize_weights()`` runs, which recomputes non-persistent buffers (rotary
+   ``inv_freq`` / ``original_inv_freq`` through the rotary class' rope init function,
+   ``position_ids``, ...) and initializes missing keys (``strict=False``). Before that every such
+   floating tensor is filled with NaN, so a tensor the init does not reach is an error, not garbage.
+   Finally ties are checked (re-tied if materialization broke them) and the model is put in
+   ``eval()`` mode.
+
+``from_pretrained`` returns ``(model, report)``; ``report`` is a :class:`PretrainedLoadReport`, a
+:class:`~hp_dcp_hf.LoadReport` with what finalization initialized, this rank's plan and read
+statistics and the time of every stage.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from hp_dcp_hf.api import Loader, load_hf_checkpoint
+from hp_dcp_hf.errors import CheckpointFormatError, CheckpointNotFoundError, HPDCPHFError, PlanningError
+from hp_dcp_hf.planner import HFMappingPlanner, LoadReport, PlanStats
+from hp_dcp_hf.storage import HFStorageReader, filesystem, locate
+from hp_dcp_hf.storage.header import MAX_HEADER_BYTES
+from hp_dcp_hf.storage.stats import FileStats
+
+__all__ = [
+    "CONFIG_FILE",
+    "FsdpTp",
+    "PipelineError",
+    "PretrainedLoadReport",
+    "apply_transforms",
+    "build_skeleton",
+    "checkpoint_mapping",
+    "finalize",
+    "from_pretrained",
+    "init_mesh",
+    "materialize",
+    "parse_mesh",
+    "read_config",
+    "resolve_model_class",
+    "resolve_transform",
+]
+
+CONFIG_FILE = "config.json"
+MESH_DIMS = ("dp", "tp")
+"""Mesh dims the :class:`FsdpTp` recipe knows, outermost first (tensor parallel ranks adjacent)."""
+
+Transform = Callable[[nn.Module], "nn.Module | None"] | str
+
+
+class PipelineError(HPDCPHFError):
+    """A stage of :func:`from_pretrained` cannot run: no config, no model class, a bad transform."""
+
+
+@dataclass(frozen=True)
+class PretrainedLoadReport(LoadReport):
+    """What :func:`from_pretrained` did on this rank; a :class:`~hp_dcp_hf.LoadReport` plus more."""
+
+    initialized_keys: tuple[str, ...] = ()
+    """Model tensors the model's own init filled: missing keys and non-persistent buffers."""
+    loader: str = "dcp"
+    plan: PlanStats = field(default_factory=PlanStats)
+    """This rank's plan: targets, read items, bytes needed, deferred groups."""
+    read: FileStats = field(default_factory=FileStats)
+    """What this rank's reader read, over all files (header traffic included)."""
+    seconds: Mapping[str, float] = field(default_factory=dict)
+    """Wall time of each stage: ``skeleton``, ``transforms``, ``parallelize``, ``materialize``,
+    ``load``, ``finalize``."""
+
+
+# -- stage 1 -----------------------------------------------------------------------------------
+
+
+def read_config(path: str, storage_options: Mapping[str, Any] | None = None):
+    """The ``PretrainedConfig`` of the checkpoint at ``path`` (its directory's ``config.json``).
+
+    Read through :mod:`hp_dcp_hf.storage`, so local paths and fsspec URLs work alike.
+    """
+    from transformers import CONFIG_MAPPING
+
+    location, _ = locate(*filesystem(path, storage_options))
+    if not location.exists(CONFIG_FILE):
+        raise CheckpointNotFoundError(
+            "the checkpoint has no config.json; pass config= (a PretrainedConfig)", file=location.path(CONFIG_FILE)
+        )
+    size = location.size(CONFIG_FILE)
+    if size > MAX_HEADER_BYTES:
+        raise CheckpointFormatError(f"{size} bytes exceeds the {MAX_HEADER_BYTES}-byte cap", file=CONFIG_FILE)
+    with location.open(CONFIG_FILE) as handle:
+        raw = handle.read(0, size)
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointFormatError(f"not JSON: {e}", file=CONFIG_FILE) from None
+    if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
+        raise CheckpointFormatError("config.json has no model_type", file=CONFIG_FILE)
+    if data["model_type"] not in CONFIG_MAPPING:
+        raise CheckpointFormatError(
+            f"model_type {data['model_type']!r} is unknown to transformers", file=CONFIG_FILE
+        )
+    return CONFIG_MAPPING[data["model_type"]].from_dict(data)
+
+
+def resolve_model_class(config, model_cls: type[nn.Module] | None = None) -> type[nn.Module]:
+    """``model_cls``, else the first of ``config.architectures`` transformers has, else the
+    ``AutoModelForCausalLM`` then ``AutoModel`` class of the config."""
+    if model_cls is not None:
+        return model_cls
+    import transformers
+
+    for name in getattr(config, "architectures", None) or ():
+        cls = getattr(transformers, name, None)
+        if isinstance(cls, type) and issubclass(cls, nn.Module):
+            return cls
+    for auto in (transformers.AutoModelForCausalLM, transformers.AutoModel):
+        try:
+            return auto._model_mapping[type(config)]
+        except (KeyError, ValueError):
+            continue
+    raise PipelineError(
+        f"no model class for {type(config).__name__} (architectures={getattr(config, 'architectures', None)}); "
+        "pass model_cls="
+    )
+
+
+def checkpoint_mapping(model: nn.Module) -> list:
+    """Stage 1.5: the checkpoint -> canonical-model mapping (transformers' conversion mapping for
+    the model type), taken from the skeleton *before* rewrites and parallelization change it:
+    FSDP2 renames the class (``FSDPGteModel``), which hides transformers' class-keyed mappings."""
+    from hp_dcp_hf.mapping.stages import model_stages
+
+    return list(model_stages(model, None)[0])
+
+
+def build_skeleton(
+    config,
+    model_cls: type[nn.Module],
+    *,
+    dtype: torch.dtype = torch.float32,
+    model_kwargs: Mapping[str, Any] | None = None,
+) -> nn.Module:
+    """Stage 1: the canonical, unparallelized model on the meta device, tied weights tied."""
+    kwargs = dict(model_kwargs or {})
+    with torch.device("meta"):
+        if hasattr(model_cls, "_from_config"):
+            model = model_cls._from_config(config, dtype=dtype, **kwargs)
+        else:
+            model = model_cls(config, **kwargs).to(dtype)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    return model
+
+
+# -- stage 2 -----------------------------------------------------------------------------------
+
+
+def resolve_transform(transform: Transform) -> Callable[[nn.Module], nn.Module | None]:
+    """A rewrite: a callable, or the name of one in :mod:`hp_dcp_hf.transforms` (``"fuse_qkv"``)."""
+    if callable(transform):
+        return transform
+    from hp_dcp_hf import transforms
+
+    fn = getattr(transforms, str(transform), None)
+    if not callable(fn) or str(transform).startswith("_") or isinstance(fn, type):
+        known = ", ".join(n for n in getattr(transforms, "__all__", ()) if n[:1].islower())
+        raise PipelineError(f"unknown transform {transform!r}; known: {known}")
+    return fn
+
+
+def apply_transforms(model: nn.Module, transforms: Iterable[Transform]) -> nn.Module:
+    """Stage 2a: run every rewrite in order (each records its weight-mapping stage)."""
+    for transform in transforms:
+        out = resolve_transform(transform)(model)
+        model = out if isinstance(out, nn.Module) else model
+    return model
+
+
+def parse_mesh(spec: str | Mapping[str, int]) -> dict[str, int]:
+    """``"tp=2,dp=2"`` (or a mapping) -> ``{"dp": 2, "tp": 2}`` in :data:`MESH_DIMS` order."""
+    if isinstance(spec, Mapping):
+        sizes = dict(spec)
+    else:
+        sizes = {}
+        for part in filter(None, (p.strip() for p in spec.split(","))):
+            name, sep, value = part.partition("=")
+            if not sep or not value.strip().isdigit():
+                raise ValueError(f"mesh spec {spec!r}: expected name=size[,name=size], e.g. dp=2,tp=2")
+            if name.strip() in sizes:
+                raise ValueError(f"mesh spec {spec!r} names {name.strip()!r} twice")
+            sizes[name.strip()] = int(value)
+    unknown = sorted(set(sizes) - set(MESH_DIMS))
+    if unknown:
+        raise ValueError(f"mesh spec {spec!r}: unknown dims {unknown}; known: {', '.join(MESH_DIMS)}")
+    if not sizes or any(size < 1 for size in sizes.values()):
+        raise ValueError(f"mesh spec {spec!r}: need at least one dim, every size >= 1")
+    return {name: sizes[name] for name in MESH_DIMS if name in sizes}
+
+
+def init_mesh(spec: str | Mapping[str, int], device_type: str = "cpu"):
+    """The ``DeviceMesh`` of ``spec`` over the default process group (its size must match)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    sizes = parse_mesh(spec)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if math.prod(sizes.values()) != world:
+        raise ValueError(f"mesh {sizes} has {math.prod(sizes.values())} ranks, the process group {world}")
+    return init_device_mesh(device_type, tuple(sizes.values()), mesh_dim_names=tuple(sizes))
+
+
+def _experts_modules(model: nn.Module) -> list[nn.Module]:
+    """Modules holding stacked MoE experts (a direct 3-D parameter)."""
+    return [m for m in model.modules() if any(p.dim() == 3 for p in m.parameters(recurse=False))]
+
+
+def _layers(model: nn.Module) -> list[nn.Module]:
+    """Transformer blocks: modules of the model's ``_no_split_modules`` classes, else the children
+    of every ``layers`` ModuleList."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    found = [m for m in model.modules() if type(m).__name__ in names]
+    if found:
+        return found
+    return [child for name, m in model.named_modules() if name.endswith("layers") and isinstance(m, nn.ModuleList)
+            for child in m]
+
+
+class FsdpTp:
+    """Parallelize a transformers decoder model over a ``(dp, tp)`` mesh (either may be absent).
+
+    * tensor parallelism (``tp``), per block, where the forward stays right: attention
+      ``q/k/v_proj`` colwise and ``o_proj`` rowwise when both head counts divide by ``tp``; dense
+      gated MLP ``gate/up_proj`` colwise and ``down_proj`` rowwise when the intermediate size
+      divides by ``tp``. Fused projections (``qkv_proj``, ``gate_up_proj``), embeddings, the LM
+      head, routers and experts are left whole on ``tp``;
+    * FSDP2 (``dp``): ``fully_shard`` per stacked-experts module (over the *whole* mesh when
+      ``experts_over_all_ranks``, so each rank holds distinct experts' rows), per block, then the
+      root, on the ``dp`` mesh.
+
+    ``applied`` lists what was done, for reports.
+    """
+
+    def __init__(self, mesh, *, experts_over_all_ranks: bool = True) -> None:
+        self.mesh = mesh
+        self.experts_over_all_ranks = experts_over_all_ranks
+        self.applied: list[str] = []
+
+    def _sub(self, name: str):
+        names = self.mesh.mesh_dim_names or ()
+        return self.mesh[name] if name in names and self.mesh[name].size() > 1 else None
+
+    def _tp_plan(self, block: nn.Module, tp: int) -> tuple[dict[str, Any], set[str]]:
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        plan: dict[str, Any] = {}
+        kinds: set[str] = set()
+        attn = getattr(block, "self_attn", None)
+        projections = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        head_dim = getattr(attn, "head_dim", None)
+        if attn is not None and head_dim and all(type(p) is nn.Linear for p in projections):
+            q, k, v, _ = projections
+            heads, kv_heads = q.out_features // head_dim, k.out_features // head_dim
+            if heads % tp == 0 and kv_heads % tp == 0 and v.out_features == k.out_features:
+                plan.update({"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+                             "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel()})
+                kinds.add("attention")
+        mlp = getattr(block, "mlp", None)
+        gate, up, down = (getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj"))
+        if all(type(p) is nn.Linear for p in (gate, up, down)) and gate.out_features % tp == 0:
+            plan.update({"mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+                         "mlp.down_proj": RowwiseParallel()})
+            kinds.add("mlp")
+        return plan, kinds
+
+    def __call__(self, model: nn.Module) -> nn.Module:
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        tp_mesh, dp_mesh = self._sub("tp"), self._sub("dp")
+        blocks = _layers(model)
+        if tp_mesh is not None:
+            counts: Counter[str] = Counter()
+            for block in blocks:
+                plan, kinds = self._tp_plan(block, tp_mesh.size())
+                if plan:
+                    parallelize_module(block, tp_mesh, plan)
+                    counts.update(kinds)
+            self.applied.append(
+                f"tp={tp_mesh.size()}: attention q/k/v colwise + o_proj rowwise in {counts['attention']}/{len(blocks)} "
+                f"blocks, dense MLP gate/up colwise + down_proj rowwise in {counts['mlp']}/{len(blocks)} blocks "
+                "(fused projections, experts, routers, embeddings and head stay whole on tp)"
+            )
+        experts = _experts_modules(model)
+        experts_mesh = dp_mesh
+        if experts and self.experts_over_all_ranks and self.mesh.size() > 1:
+            experts_mesh = self.mesh if self.mesh.ndim == 1 else self.mesh._flatten("_hp_experts")
+        if experts and experts_mesh is not None:
+            for module in experts:
+                fully_shard(module, mesh=experts_mesh)
+            self.applied.append(f"fsdp: {len(experts)} experts modules over {experts_mesh.size()} ranks")
+        if dp_mesh is not None:
+            for block in blocks:
+                fully_shard(block, mesh=dp_mesh)
+            fully_shard(model, mesh=dp_mesh)
+            self.applied.append(f"fsdp: {len(blocks)} blocks + root over dp={dp_mesh.size()}")
+        elif experts and experts_mesh is not None:
+            fully_shard(model, mesh=experts_mesh, reshard_after_forward=False)
+            self.applied.append("fsdp: root group (no parameters sharded)")
+        return model
+
+
+# -- stage 3 -----------------------------------------------------------------------------------
+
+
+def _named_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+
+
+def _tie_groups(model: nn.Module) -> list[tuple[str, str]]:
+    """``(tied, source)`` name pairs transformers declares (``all_tied_weights_keys``)."""
+    pairs = getattr(model, "all_tied_weights_keys", None) or {}
+    return [(a, b) for a, b in pairs.items() if isinstance(a, str) and isinstance(b, str)]
+
+
+def materialize(model: nn.Module, device: str | torch.device = "cpu") -> nn.Module:
+    """Stage 3a: allocate every local shard on ``device`` (values undefined until loaded)."""
+    model.to_empty(device=device)
+    retie(model)
+    return model
+
+
+def retie(model: nn.Module) -> bool:
+    """Re-tie declared tied weights that are no longer the same tensor; True when it had to."""
+    broken = False
+    for tied, source in _tie_groups(model):
+        try:
+            if model.get_parameter(tied) is not model.get_parameter(source):
+                broken = True
+        except AttributeError:
+            continue
+    if broken and hasattr(model, "tie_weights"):
+        model.tie_weights()
+    return broken
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _init_seed(seed: int | None) -> int:
+    """``seed``, or one drawn from the global RNG (the same on every rank seeded alike)."""
+    return seed if seed is not None else int(torch.randint(0, 2**62, ()).item())
+
+
+def _swap_in_full(model: nn.Module, sharded: Mapping[int, torch.Tensor]) -> list[tuple[nn.Module, str, Any]]:
+    """Replace every sharded pending parameter by a full NaN-filled plain one (ties kept); the
+    ``(module, name, original)`` list restores them."""
+    full: dict[int, nn.Parameter] = {}
+    swapped = []
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is None or id(param) not in sharded:
+                continue
+            if id(param) not in full:
+                value = torch.full(param.shape, float("nan"), dtype=param.dtype, device=_local(param).device)
+                full[id(param)] = nn.Parameter(value, requires_grad=param.requires_grad)
+                full[id(param)]._is_hf_initialized = False
+            swapped.append((module, name, param))
+            module._parameters[name] = full[id(param)]
+    return swapped
+
+
+@torch.no_grad()
+def finalize(model: nn.Module, report: LoadReport, *, seed: int | None = None) -> tuple[str, ...]:
+    """Stage 3c: initialize every tensor the load did not fill with the model's own init.
+
+    transformers' way: loaded tensors are marked ``_is_hf_initialized`` and
+    ``model.initialize_weights()`` fills the rest (modules without it: ``reset_parameters()`` of
+    modules whose tensors are all unfilled). Missing parameters are initialized under
+    ``torch.manual_seed(seed)`` (default: a seed drawn from the global RNG, so every rank must be
+    seeded alike, as DTensor random ops require anyway; no collective runs here), a *sharded* one
+    as a full tensor of which each rank keeps its shards: replicas agree, and the values do not
+    depend on the layout. The global RNG is otherwise left as it was.
+
+    Returns the names initialized (missing keys and non-persistent buffers); raises
+    :class:`PlanningError` for a floating tensor neither loaded nor reached by the init.
+    """
+    from hp_dcp_hf.layout import local_shard_pieces
+
+    loaded = set(report.loaded_keys)
+    by_id: dict[int, tuple[torch.Tensor, list[str]]] = {}
+    for name, tensor in _named_tensors(model):
+        by_id.setdefault(id(tensor), (tensor, []))[1].append(name)
+    pending: list[tuple[torch.Tensor, list[str]]] = []
+    for tensor, names in by_id.values():
+        if loaded.intersection(names):
+            tensor._is_hf_initialized = True
+        else:
+            tensor._is_hf_initialized = False
+            pending.append((tensor, names))
+            if tensor.is_floating_point():
+                _local(tensor).fill_(float("nan"))
+    if not pending:
+        return ()
+    for module in model.modules():
+        module.__dict__.pop("_is_hf_initialized", None)
+    sharded = {id(t): t for t, _ in pending if isinstance(t, DTensor) and isinstance(t, nn.Parameter)}
+    params = {id(p) for p in model.parameters()}
+    seed = _init_seed(seed) if any(id(t) in params for t, _ in pending) else 0
+    swapped = _swap_in_full(model, sharded)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            if hasattr(model, "initialize_weights"):
+                model.initialize_weights()
+            else:
+                owned = {id(t) for t, _ in pending} | {id(m._parameters[n]) for m, n, _ in swapped}
+                for module in model.modules():
+                    own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+                    if own and hasattr(module, "reset_parameters") and all(id(t) in owned for t in own):
+                        module.reset_parameters()
+    finally:
+        values = {id(original): module._parameters[name] for module, name, original in swapped}
+        for module, name, original in swapped:
+            module._parameters[name] = original
+    for key, original in sharded.items():
+        local = original.to_local()
+        for piece in local_shard_pieces(original):
+            local[piece.local_box().slices()].copy_(values[key][piece.global_box.slices()])
+    untouched = sorted(names[0] for tensor, names in pending
+                       if tensor.is_floating_point() and bool(torch.isnan(_local(tensor)).any()))
+    if untouched:
+        raise PlanningError(f"neither the checkpoint nor the model's own init fills {untouched}")
+    for tensor, _ in pending:
+        tensor._is_hf_initialized = True
+    return tuple(sorted(names[0] for _, names in pending))
+
+
+def from_pretrained(
+    path_or_repo: str,
+    *,
+    model_cls: type[nn.Module] | None = None,
+    config=None,
+    dtype: torch.dtype = torch.float32,
+    transforms: Sequence[Transform] = (),
+    parallelize: Callable[[nn.Module], nn.Module | None] | None = None,
+    loader: Loader = "dcp",
+    strict: bool = True,
+    device: str | torch.device = "cpu",
+    model_kwargs: Mapping[str, Any] | None = None,
+    reader: HFStorageReader | None = None,
+    planner_cls: type[HFMappingPlanner] = HFMappingPlanner,
+    weights_mapping: Sequence[Any] | None = None,
+    init_seed: int | None = None,
+    **reader_options: Any,
+) -> tuple[nn.Module, PretrainedLoadReport]:
+    """Build, rewrite, parallelize and load a Hugging Face checkpoint; every rank calls it.
+
+    Args:
+        path_or_repo: the checkpoint (anything :class:`HFStorageReader` takes); its directory holds
+            ``config.json`` unless ``config`` is given.
+        model_cls: the class to build; default from the config's ``architectures``.
+        config: a ``PretrainedConfig`` instead of the checkpoint's ``config.json``.
+        dtype: the model's dtype (checkpoint tensors are cast on load).
+        transforms: rewrites, callables or names in :mod:`hp_dcp_hf.transforms`, applied in order.
+        parallelize: ``fn(model)`` that shards the model in place (e.g. :class:`FsdpTp`).
+        loader: ``"dcp"`` reads only the bytes this rank's shards need; ``"legacy"`` whole tensors.
+        strict: raise when the checkpoint does not make a model tensor; with ``False`` those
+            tensors get the model's own init (``report.missing_keys``, ``report.initialized_keys``).
+        device: where local shards are allocated.
+        model_kwargs: extra arguments of the model constructor (``attn_implementation=`` ...).
+        reader: a ready :class:`HFStorageReader` (``reader_options`` must then be empty).
+        planner_cls: the planner class (a subclass can observe the load, e.g. a progress bar).
+        weights_mapping: the checkpoint -> canonical mapping (transformers ``WeightRenaming`` /
+            ``WeightConverter``); default: transformers' own for the skeleton, taken in stage 1.
+        init_seed: seed of the init of missing keys (``strict=False``); default: drawn from the
+            global RNG (seed every rank alike). Sharded ones are initialized whole, so replicas agree.
+        **reader_options: :class:`HFStorageReader` options (``storage_options``,
+            ``coalesce_gap``, ``num_threads``, ...).
+
+    Returns:
+        ``(model, report)``: the loaded model in ``eval()`` mode and a :class:`PretrainedLoadReport`.
+    """
+    if reader is not None and reader_options:
+        raise ValueError(f"pass reader= or reader options, not both (got {sorted(reader_options)})")
+    seconds: dict[str, float] = {}
+    clock = time.perf_counter()
+
+    def lap(stage: str) -> None:
+        nonlocal clock
+        now = time.perf_counter()
+        seconds[stage] = now - clock
+        clock = now
+
+    reader = reader if reader is not None else HFStorageReader(path_or_repo, **reader_options)
+    if config is None:
+        config = read_config(path_or_repo, reader.storage_options)
+    model = build_skeleton(config, resolve_model_class(config, model_cls), dtype=dtype, model_kwargs=model_kwargs)
+    mapping = list(weights_mapping) if weights_mapping is not None else checkpoint_mapping(model)
+    lap("skeleton")
+    model = apply_transforms(model, transforms)
+    lap("transforms")
+    if parallelize is not None:
+        out = parallelize(model)
+        model = out if isinstance(out, nn.Module) else model
+    lap("parallelize")
+    materialize(model, device)
+    lap("materialize")
+    planner = planner_cls(model, weights_mapping=mapping, strict=strict, trace=loader == "dcp")
+    base = load_hf_checkpoint(model, path_or_repo, loader=loader, reader=reader, planner=planner)
+    lap("load")
+    initialized = finalize(model, base, seed=init_seed)
+    retie(model)
+    model.eval()
+    lap("finalize")
+    report = PretrainedLoadReport(
+        base.loaded_keys,
+        base.missing_keys,
+        base.unexpected_keys,
+        initialized_keys=initialized,
+        loader=loader,
+        plan=planner.stats,
+        read=reader.stats.total(),
+        seconds=seconds,
+    )
+    return model, report
