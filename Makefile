@@ -15,12 +15,14 @@ PYTEST_ARGS ?=
 DEMO_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help venv test fuzz lint format demo clean distclean
+.PHONY: help venv test fuzz bench lint format demo clean distclean
+BENCH_ARGS ?=
 
 help:
 	@echo "make demo       multi-rank load demo ($(PY) -m hp_dcp_hf demo $(DEMO_ARGS))"
 	@echo "make test       ruff check + pytest -q tests/ (PYTEST_ARGS=... to pass more)"
 	@echo "make fuzz       the dedicated 10,000-case parser fuzzing run"
+	@echo "make bench      benchmarks (bench/README.md; BENCH_ARGS='--size full' for the real run)"
 	@echo "make lint       ruff check"
 	@echo "make format     ruff format + ruff check --fix"
 	@echo "make venv       create $(VENV) and install the project with [test,demo] extras"
@@ -52,6 +54,9 @@ test: venv
 
 demo: venv
 	$(PY) -m hp_dcp_hf demo $(DEMO_ARGS)
+
+bench: venv
+	$(PY) -m bench $(BENCH_ARGS)
 
 fuzz: venv
 	HP_DCP_HF_FUZZ_EXAMPLES=10000 $(PY) -m pytest -q tests/test_fuzz.py --hypothesis-show-statistics

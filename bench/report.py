@@ -1,0 +1,327 @@
+"""The report: one JSON document, a Markdown rendering of it, and two plots.
+
+Everything the Markdown and the plots show is in the JSON (``bench/results/<date>.json``), so a
+report can be re-rendered later (``python -m bench --render FILE.json``). The targets of the
+project's issue are evaluated here, each with its value and, where missed, the reason the data
+gives.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import platform
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from bench.workloads import human
+
+ORDER = ("limit", "dcp", "dcp+rw", "legacy", "torch", "transformers", "dcp@tf-layout")
+TRACED = ("dcp", "dcp+rw", "dcp@tf-layout")
+
+
+def machine() -> dict[str, Any]:
+    """Cores, memory, CPU, software versions, load at the time of the call."""
+    import torch
+    import transformers
+
+    info: dict[str, Any] = {"cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+                            "transformers": transformers.__version__, "platform": platform.platform()}
+    try:
+        meminfo = Path("/proc/meminfo").read_text().splitlines()
+        info["memory_bytes"] = int(next(line for line in meminfo if line.startswith("MemTotal")).split()[1]) * 1024
+        cpu = Path("/proc/cpuinfo").read_text().splitlines()
+        info["cpu"] = next((line.split(":", 1)[1].strip() for line in cpu if line.startswith("model name")), None)
+        info["load_average"] = os.getloadavg()
+    except (OSError, StopIteration):
+        pass
+    try:
+        info["git_commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                            check=True).stdout.strip()
+        info["git_dirty"] = bool(subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True,
+                                                check=True).stdout.strip())
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    return info
+
+
+# -- targets -------------------------------------------------------------------------------------------
+
+
+def _records(doc: dict[str, Any]):
+    for case in doc.get("loads", []):
+        for record in case["records"]:
+            yield case, record
+
+
+def _target(name: str, ok: bool | None, value: str, why: str = "") -> dict[str, Any]:
+    return {"target": name, "met": ok, "value": value, "note": why}
+
+
+def evaluate_targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each target of the issue: met or not, the measured value, and what explains a miss."""
+    out = []
+    traced = [(c, r) for c, r in _records(doc) if r["contender"] in TRACED and r.get("amplification")]
+    if traced:
+        worst = max(traced, key=lambda cr: cr[1]["amplification_max_rank"])
+        out.append(_target("read amplification <= 1.01 on every traced case", worst[1]["amplification_max_rank"] <= 1.01,
+                           f"worst rank {worst[1]['amplification_max_rank']:.4f} ({worst[1]['contender']}, "
+                           f"{worst[0]['workload']} x {worst[0]['world']})"))
+    legacy = [(c, r) for c, r in _records(doc) if r["contender"] == "legacy" and r.get("amplification")]
+    multi = [(c, r) for c, r in legacy if c["world"] > 1]
+    if multi:
+        # Legacy reads every tensor a rank holds part of whole: all ranks together read world x the
+        # checkpoint. Per rank, against what it needs, that is world x for sharded tensors but 1x for
+        # replicated ones (norms), so the bytes-weighted amplification is a hair under world.
+        short = [(c, r) for c, r in multi if r["cluster_read_factor"] < c["world"] * 0.999]
+        values = ", ".join(f"{c['workload']}x{c['world']}: all ranks read {r['cluster_read_factor']:.2f}x the "
+                           f"checkpoint (amplification {r['amplification']:.3f})" for c, r in multi)
+        why = "" if not short else "some tensors are held by a subset of ranks only in this layout"
+        out.append(_target("legacy reads >= world size x the checkpoint", not short, values, why))
+    for workload in sorted({c["workload"] for c, _ in _records(doc)}):
+        case = next((c for c in doc["loads"] if c["workload"] == workload and c["world"] == 4), None)
+        if case is None:
+            continue
+        rec = {r["contender"]: r for r in case["records"]}
+        dcp, limit, legacy_r = rec.get("dcp", {}), rec.get("limit", {}), rec.get("legacy", {})
+        if dcp.get("wall_s") and limit.get("wall_s"):
+            ratio = dcp["wall_s"] / limit["wall_s"]
+            phases = dcp.get("phases_max_s", {})
+            why = ""
+            if ratio > 1.3:
+                why = (f"dcp {dcp['wall_s']:.3f} s vs raw reads {limit['wall_s']:.3f} s; dcp phases (slowest rank): "
+                       + ", ".join(f"{k} {v:.3f} s" for k, v in phases.items())
+                       + "; the rest is DCP's plan gather/scatter and barriers")
+            out.append(_target(f"{workload}: load within 1.3x of the raw-read limit at 4 ranks", ratio <= 1.3,
+                               f"{ratio:.2f}x", why))
+        if dcp.get("wall_s") and legacy_r.get("wall_s"):
+            speedup = legacy_r["wall_s"] / dcp["wall_s"]
+            why = "" if speedup >= 3 else ("fixed costs (metadata, planning, DCP collectives) weigh more than the "
+                                           "bytes at this checkpoint size" if doc.get("size", 0) < 5e8 else "")
+            out.append(_target(f"{workload}: >= 3x faster than legacy at 4 ranks", speedup >= 3, f"{speedup:.2f}x", why))
+    growth = [(c, r) for c, r in _records(doc) if r["contender"] in TRACED and r.get("rss_growth_max") is not None]
+    if growth:
+        worst = max(growth, key=lambda cr: cr[1]["rss_growth_max"])
+        out.append(_target("RSS growth per rank beyond its own params <= 128 MiB",
+                           worst[1]["rss_growth_max"] <= 128 * 2**20,
+                           f"worst {human(worst[1]['rss_growth_max'])} ({worst[1]['contender']}, "
+                           f"{worst[0]['workload']} x {worst[0]['world']})"))
+    for sim in doc.get("simulate", []):
+        top = [r for r in sim.get("results", []) if r["world"] == 1024 and "plan_s_max" in r]
+        for r in top:
+            ok = r["plan_s_max"] < 5
+            why = "" if ok else (f"the rank-independent composition (tracing {sim['checkpoint_tensors']} checkpoint "
+                                 f"tensors) takes {r['composition_s']:.2f} s of it; the rank's own items "
+                                 f"{r.get('items_s_max', float('nan')):.2f} s")
+            out.append(_target(f"{sim['arch']} {r['layout']}: 1024-rank plan < 5 s per rank", ok,
+                               f"{r['plan_s_max']:.2f} s", why))
+    return out
+
+
+# -- markdown --------------------------------------------------------------------------------------------
+
+
+def _fmt(value: Any, kind: str = "") -> str:
+    if value is None:
+        return "-"
+    if kind == "s":
+        return f"{value:.3f}"
+    if kind == "x":
+        return f"{value:.2f}x"
+    if kind == "b":
+        return human(value)
+    if kind == "f":
+        return f"{value:.3f}"
+    return str(value)
+
+
+def loads_table(doc: dict[str, Any], worlds: set[int] | None = None) -> str:
+    head = ("| workload | ranks | mesh | contender | wall s (median) | vs limit | vs dcp | bytes read / rank (max) | "
+            "bytes read, all ranks | amplification | requests / rank (max) | RSS growth / rank (max) | anon growth / rank "
+            "(max) | correct |")
+    lines = [head, "|" + "|".join("---" for _ in range(14)) + "|"]
+    for case in doc.get("loads", []):
+        if worlds is not None and case["world"] not in worlds:
+            continue
+        records = sorted(case["records"], key=lambda r: ORDER.index(r["contender"]) if r["contender"] in ORDER else 99)
+        for r in records:
+            cells = [case["workload"], str(case["world"]), case["mesh"], r["contender"]]
+            if r.get("error") or r.get("skipped"):
+                text = (r.get("error") or r.get("skipped")).splitlines()[0][:120].replace("|", "/")
+                cells += [("error: " if r.get("error") else "skipped: ") + text] + [""] * 9
+            else:
+                reads = [b for b in r.get("bytes_read") or [] if b is not None]
+                reqs = [q for q in r.get("requests") or [] if q is not None]
+                ok = {True: "yes", False: "**NO**", None: "n/a"}[r.get("correct")]
+                cells += [_fmt(r.get("wall_s"), "s"), _fmt(r.get("vs_limit"), "x"), _fmt(r.get("vs_dcp"), "x"),
+                          _fmt(max(reads) if reads else None, "b"), _fmt(r.get("bytes_read_total"), "b"),
+                          _fmt(r.get("amplification"), "f"), _fmt(max(reqs) if reqs else None),
+                          _fmt(r.get("rss_growth_max"), "b"), _fmt(r.get("anon_growth_max"), "b"), ok]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def simulate_table(doc: dict[str, Any]) -> str:
+    head = ("| model | layout | ranks | mesh | bytes / rank max (mean) | cluster / ckpt | one replica / ckpt | "
+            "legacy cluster / ckpt | plan s / rank (composition) | items s (reused composition) | plan peak mem | "
+            "pickled plan / rank | items / ranges per rank | planner = closed form |")
+    lines = [head, "|" + "|".join("---" for _ in range(14)) + "|"]
+    for sim in doc.get("simulate", []):
+        for r in sim.get("results", []):
+            plan = f"{r['plan_s_max']:.2f} ({r['composition_s']:.2f})" if "plan_s_max" in r else "-"
+            lines.append("| " + " | ".join([
+                sim["arch"], r["layout"], str(r["world"]), r["mesh"],
+                f"{human(r['bytes_per_rank_max'])} ({human(r['bytes_per_rank_mean'])})", f"{r['cluster_factor']:.3f}",
+                f"{r['cluster_factor_one_replica']:.3f}", f"{r['legacy_cluster_factor']:.1f}", plan,
+                _fmt(r.get("items_s_max"), "s"), _fmt(r.get("plan_peak_bytes"), "b"),
+                _fmt(r.get("pickled_plan_bytes_max"), "b"),
+                f"{r.get('read_items_max', '-')} / {r.get('ranges_max', '-')}",
+                "yes" if r["planner_matches_closed_form"] else "**NO**"]) + " |")
+    return "\n".join(lines)
+
+
+def render_markdown(doc: dict[str, Any]) -> str:
+    m = doc["machine"]
+    parts = [f"# hp-dcp-hf benchmark, {doc['date']}", "",
+             f"Machine: {m.get('cores')} cores ({m.get('cpu') or 'unknown CPU'}), "
+             f"{human(m.get('memory_bytes') or 0)} memory, torch {m.get('torch')}, transformers {m.get('transformers')}, "
+             f"Python {m.get('python')}; git {m.get('git_commit', '?')}{' (dirty)' if m.get('git_dirty') else ''}; "
+             f"load average at start {doc.get('load_average_start')}, at end {m.get('load_average')}.",
+             "", f"Settings: {doc['settings']}", "",
+             "All contenders read the same checkpoint on the same ranks (gloo, spawned processes), each from a warm "
+             "page cache (every file read once right before each contender's process group starts). Wall time: "
+             "the slowest rank, median of the repetitions after warm-up. Amplification: bytes read / bytes this "
+             "project's plan needs for the same layout. RSS growth: peak RSS during the load minus RSS before it "
+             "(the rank's own parameters were already resident; for transformers, which builds its model inside the "
+             "call, minus its local parameter bytes); it includes checkpoint pages an mmap-based reader maps (page "
+             "cache, shared), which the anonymous-memory column leaves out.", ""]
+    if doc.get("workloads"):
+        parts += ["## Workloads", ""]
+        parts += [f"- `{w['kind']}`: {w['model_class']}, {w['num_layers']} layers, {w['tensors']} tensors in "
+                  f"{w['files']} files, {human(w['checkpoint_bytes'])}" for w in doc["workloads"]]
+        parts.append("")
+    if doc.get("loads"):
+        parts += ["## Loads", "", loads_table(doc), ""]
+        notes = sorted({f"{r['contender']}: {n}" for _, r in _records(doc) for n in r.get("notes", [])})
+        parts += [f"- {n}" for n in notes] + ([""] if notes else [])
+    if doc.get("real"):
+        r = doc["real"]
+        parts += ["## Real checkpoint", ""]
+        if r.get("skipped") or r.get("error"):
+            parts += [r.get("skipped") or f"error: {r['error']}", ""]
+        else:
+            parts += [f"{r['model']}, {len(r['files'])} files ({human(r['checkpoint_bytes'])}), {r['world']} ranks: "
+                      f"{r['how']}.", "",
+                      f"Load {r['load_s_max']:.3f} s (slowest rank); bytes read per rank "
+                      f"{', '.join(human(b) for b in r['bytes_read'])}; amplification {r['amplification']:.4f}; "
+                      f"requests per rank {r['requests']}. Logits vs single-process transformers: max abs diff "
+                      f"{r['logits_max_abs_diff']:.2e} (close: {r['logits_close']}); next token for "
+                      f"\"{r['prompt']}\": {r['next_token']!r} (transformers: {r['reference_next_token']!r}).", ""]
+    if doc.get("simulate"):
+        parts += ["## Cluster-scale planning (simulated)", "", simulate_table(doc), ""]
+    if doc.get("multinode"):
+        mn = doc["multinode"]
+        parts += ["## Multi-node smoke", ""]
+        if mn.get("error") or mn.get("skipped"):
+            parts += [mn.get("error") or mn.get("skipped"), ""]
+        else:
+            parts += [f"Two torchrun launchers (`--nnodes 2 --nproc-per-node 2`, static rendezvous on 127.0.0.1), "
+                      f"mesh {mn['mesh']}: correct on every rank: {mn['correct']}; wall "
+                      f"{max(r['wall_s'] for r in mn['ranks']):.3f} s; bytes read per rank "
+                      f"{', '.join(human(r['bytes_read']) for r in mn['ranks'])}.", ""]
+    if doc.get("targets"):
+        parts += ["## Targets", "", "| target | met | value | note |", "|---|---|---|---|"]
+        parts += [f"| {t['target']} | {'yes' if t['met'] else '**no**'} | {t['value']} | {t['note']} |"
+                  for t in doc["targets"]]
+        parts.append("")
+    if doc.get("not_run"):
+        parts += ["## Not run", ""] + [f"- {line}" for line in doc["not_run"]] + [""]
+    return "\n".join(parts)
+
+
+def readme_summary(doc: dict[str, Any], json_path: str) -> str:
+    """The part of a report that goes into README: the loads at the largest world size, the targets."""
+    largest = max((c["world"] for c in doc.get("loads", [])), default=None)
+    m = doc["machine"]
+    parts = [f"From `{json_path}` ({doc['settings']['size']} checkpoints; {m.get('cores')} cores, "
+             f"{human(m.get('memory_bytes') or 0)}, torch {m.get('torch')}; load average "
+             f"{', '.join(f'{x:.1f}' for x in m.get('load_average') or ())} at the end), {largest} ranks; "
+             "every world size, the real checkpoint and the simulation are in the full report next to it.", ""]
+    if largest is not None:
+        parts += [loads_table(doc, {largest}), ""]
+    if doc.get("targets"):
+        parts += ["| target | met | value |", "|---|---|---|"]
+        parts += [f"| {t['target']} | {'yes' if t['met'] else '**no**'} | {t['value']} |" for t in doc["targets"]]
+    return "\n".join(parts)
+
+
+# -- plots -----------------------------------------------------------------------------------------------
+
+
+def plot(doc: dict[str, Any], stem: Path) -> list[Path]:
+    """``<stem>-time.png`` (wall time vs world size) and ``<stem>-bytes.png`` (bytes read per rank)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    workloads = sorted({c["workload"] for c in doc.get("loads", [])})
+    if not workloads:
+        return []
+    out = []
+    for metric, ylabel, suffix in (("wall_s", "load wall time, s (median)", "time"),
+                                   ("bytes_max", "bytes read per rank, max (MiB)", "bytes")):
+        fig, axes = plt.subplots(1, len(workloads), figsize=(6 * len(workloads), 4.5), squeeze=False)
+        for ax, workload in zip(axes[0], workloads):
+            series: dict[str, list[tuple[int, float]]] = {}
+            for case in doc["loads"]:
+                if case["workload"] != workload:
+                    continue
+                for r in case["records"]:
+                    if metric == "wall_s":
+                        value = r.get("wall_s")
+                    else:
+                        reads = [b for b in r.get("bytes_read") or [] if b is not None]
+                        value = max(reads) / 2**20 if reads else None
+                    if value:
+                        series.setdefault(r["contender"], []).append((case["world"], value))
+            for name in sorted(series, key=lambda n: ORDER.index(n) if n in ORDER else 99):
+                points = sorted(series[name])
+                ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name,
+                        linestyle="--" if name == "limit" else "-")
+            ax.set_title(f"{workload}")
+            ax.set_xlabel("ranks")
+            ax.set_ylabel(ylabel)
+            ax.set_xscale("log", base=2)
+            worlds = sorted({c["world"] for c in doc["loads"] if c["workload"] == workload})
+            ax.set_xticks(worlds, [str(w) for w in worlds])
+            ax.set_yscale("log")
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = stem.with_name(f"{stem.name}-{suffix}.png")
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        out.append(path)
+    return out
+
+
+def write_report(doc: dict[str, Any], out_dir: Path) -> dict[str, Path]:
+    """Write ``<date>.json``, ``<date>.md`` and the plots into ``out_dir``; their paths."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    doc.setdefault("date", dt.date.today().isoformat())
+    doc["targets"] = evaluate_targets(doc)
+    stem = out_dir / doc.get("name", doc["date"])
+    json_path = stem.with_suffix(".json")
+    json_path.write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    pngs = plot(doc, stem)
+    doc["plots"] = [p.name for p in pngs]
+    json_path.write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    md = render_markdown(doc) + "".join(f"\n![{p.stem}]({p.name})\n" for p in pngs)
+    md_path = stem.with_suffix(".md")
+    md_path.write_text(md)
+    return {"json": json_path, "markdown": md_path, **{p.stem: p for p in pngs}}
