@@ -6,7 +6,6 @@ import warnings
 from collections.abc import Collection, Sequence
 from typing import Any, Literal
 
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
@@ -15,6 +14,7 @@ from transformers.core_model_loading import WeightTransform
 from hp_dcp_hf.errors import HPDCPHFError
 from hp_dcp_hf.planner import HFMappingPlanner, LoadReport
 from hp_dcp_hf.storage import HFStorageReader
+from hp_dcp_hf.storage.broadcast import agree_on_failure, should_broadcast
 
 Loader = Literal["dcp", "legacy"]
 
@@ -56,16 +56,21 @@ def load_hf_checkpoint(
         trace=loader == "dcp",
     )
     reader = reader if reader is not None else HFStorageReader(path, **reader_options)
-    single = not (dist.is_available() and dist.is_initialized())
+    error: BaseException | None = None
     try:
         with warnings.catch_warnings():
-            if single:  # DCP warns that it assumes one process: that is what we asked for
-                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(model.state_dict(), storage_reader=reader, planner=planner, no_dist=single)
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            # Each rank plans its own reads from the metadata rank 0 broadcast: nothing to
+            # coordinate, so DCP's gather and scatter of every rank's plan through rank 0 (O(world)
+            # pickled plans there) is skipped; the ranks agree on the outcome below instead.
+            dcp.load(model.state_dict(), storage_reader=reader, planner=planner, no_dist=True)
     except CheckpointException as exc:
         # torch's dcp.load reduces an error of read_metadata to an AssertionError with its text:
         # the reader kept the error itself.
         error = reader.metadata_error or unwrap_checkpoint_exception(exc)
+    if should_broadcast():
+        error = agree_on_failure(error)
+    if error is not None:
         error.touched_keys = tuple(sorted(planner.touched_targets))  # type: ignore[attr-defined]
         raise error from None
     assert planner.report is not None

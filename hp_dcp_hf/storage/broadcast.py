@@ -1,9 +1,11 @@
-"""Rank 0 computes some bytes once; every rank gets them, or every rank gets its error.
+"""One rank's outcome shared with all: rank 0's bytes, or the first failing rank's error.
 
 Used for checkpoint metadata: on N ranks, N readers of every header is N times the requests (and,
 on object stores, the bill) for the same answer. The bytes travel as a uint8 tensor in two
 broadcasts on the default group (length, then payload); nothing is pickled. When rank 0 fails, it
-broadcasts the error instead, so the other ranks raise too rather than wait forever.
+broadcasts the error instead, so the other ranks raise too rather than wait forever. After a load,
+:func:`agree_on_failure` makes every rank raise when any rank failed, for the price of one
+all-reduce of one integer when none did.
 """
 
 from __future__ import annotations
@@ -45,22 +47,38 @@ def _encode_error(error: BaseException) -> bytes:
     return json.dumps(fields).encode()
 
 
-def _decode_error(raw: bytes) -> HPDCPHFError:
+def _decode_error(raw: bytes, rank: int = 0) -> HPDCPHFError:
     fields = json.loads(raw)
     cls = getattr(errors, fields["type"], StorageReadError)
-    return cls(f"on rank 0: {fields['reason']}", file=fields["file"], key=fields["key"])
+    return cls(f"on rank {rank}: {fields['reason']}", file=fields["file"], key=fields["key"])
 
 
-def _broadcast(payload: bytes | None) -> bytes:
+def _broadcast(payload: bytes | None, src: int = 0) -> bytes:
     device = _device()
     length = torch.tensor([len(payload) if payload is not None else 0], dtype=torch.int64, device=device)
-    dist.broadcast(length, src=0)
+    dist.broadcast(length, src=src)
     if payload is not None:
         data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
     else:
         data = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
-    dist.broadcast(data, src=0)
+    dist.broadcast(data, src=src)
     return data.cpu().numpy().tobytes()
+
+
+def agree_on_failure(error: BaseException | None) -> BaseException | None:
+    """Every rank learns whether any rank failed: the error this rank must raise, or None.
+
+    A failing rank keeps its own error; the others get the first failing rank's, rebuilt as the
+    same :mod:`hp_dcp_hf.errors` type from JSON.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    first = torch.tensor([rank if error is not None else world], dtype=torch.int64, device=_device())
+    dist.all_reduce(first, op=dist.ReduceOp.MIN)
+    src = int(first.item())
+    if src == world:
+        return None
+    raw = _broadcast(_encode_error(error) if rank == src else None, src=src)
+    return error if error is not None else _decode_error(raw, src)
 
 
 def share_from_rank0(produce: Callable[[], bytes]) -> bytes:
