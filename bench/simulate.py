@@ -196,15 +196,6 @@ def closed_form(ckpt: Checkpoint, layout: Layout, sources: dict[str, tuple[int, 
 # -- the planner on one simulated rank --------------------------------------------------------------------
 
 
-def _local_shape(shape: tuple[int, ...], mesh: tuple[int, ...], coord: tuple[int, ...],
-                 places: tuple[Placement, ...]) -> tuple[int, ...]:
-    # hp_dcp_hf.layout's own run computation (private helpers; see the planner hook in the README)
-    from hp_dcp_hf.layout import _dim_runs, _steps
-
-    runs = _dim_runs(shape, mesh, coord, _steps(len(shape), mesh, coord, places, None, None))
-    return tuple(sum(size for _, size in r) for r in runs)
-
-
 @contextmanager
 def fake_rank(rank: int, world: int):
     import torch.distributed as dist
@@ -222,65 +213,50 @@ def rank_state_dict(ckpt: Checkpoint, layout: Layout, rank: int) -> dict[str, to
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
+    from hp_dcp_hf.layout import local_shape
+
     meshes = {"dense": init_device_mesh("cpu", layout.dense), "experts": init_device_mesh("cpu", layout.experts)}
     state = {}
     for name, t in ckpt.model.state_dict().items():
         kind, places = layout.placements(name, t.ndim)
         mesh_shape = layout.dense if kind == "dense" else layout.experts
-        shape = _local_shape(tuple(t.shape), mesh_shape, layout.coordinate(kind, rank), places)
+        shape = local_shape(tuple(t.shape), mesh_shape, layout.coordinate(kind, rank), places)
         local = torch.empty(shape, dtype=t.dtype, device="meta")
         state[name] = DTensor.from_local(local, meshes[kind], places, run_check=False, shape=t.shape, stride=t.stride())
     return state
 
 
-@contextmanager
-def planner_composition(ckpt: Checkpoint, *, reuse: bool, seconds: list[float]):
-    """While active, the planner's Composition (the rank-independent tracing of the conversion) is
-    built fresh and timed into ``seconds`` (what every real rank pays), or with ``reuse`` handed
-    over ready-made (what a planner hook taking a prepared composition would allow)."""
-    import hp_dcp_hf.planner as planner_module
+def build_composition(ckpt: Checkpoint):
+    """The rank-independent tracing of the conversion, as the planner builds it for ``ckpt``."""
+    from hp_dcp_hf.mapping.compose import Composition, TensorSpec
+    from hp_dcp_hf.mapping.stages import model_stages
 
-    original = planner_module.Composition
-
-    def make(*args, **kwargs):
-        if reuse:
-            return composition_of(ckpt)
-        start = time.perf_counter()
-        made = original(*args, **kwargs)
-        seconds.append(time.perf_counter() - start)
-        return made
-
-    planner_module.Composition = make
-    try:
-        yield
-    finally:
-        planner_module.Composition = original
+    sources = {k: TensorSpec(tuple(md.size), md.properties.dtype) for k, md in ckpt.metadata.state_dict_metadata.items()}
+    model = ckpt.model
+    return Composition(model_stages(model, None), sources, set(model.state_dict()), model=model,
+                       config=model.config, base_model_prefix=model.base_model_prefix)
 
 
 _COMPOSITIONS: dict[int, Any] = {}
 
 
 def composition_of(ckpt: Checkpoint):
-    """The composition the planner builds for ``ckpt``'s model and metadata, built once."""
-    from hp_dcp_hf.mapping.compose import Composition, TensorSpec
-    from hp_dcp_hf.mapping.stages import model_stages
-
+    """:func:`build_composition`, built once per checkpoint (what one process planning many ranks pays)."""
     if id(ckpt) not in _COMPOSITIONS:
-        sources = {k: TensorSpec(tuple(md.size), md.properties.dtype) for k, md in ckpt.metadata.state_dict_metadata.items()}
-        model = ckpt.model
-        _COMPOSITIONS[id(ckpt)] = Composition(model_stages(model, None), sources, set(model.state_dict()), model=model,
-                                              config=model.config, base_model_prefix=model.base_model_prefix, trace=True)
+        _COMPOSITIONS[id(ckpt)] = build_composition(ckpt)
     return _COMPOSITIONS[id(ckpt)]
 
 
-def plan_rank(ckpt: Checkpoint, layout: Layout, rank: int, *, memory: bool = False) -> dict[str, Any]:
-    """Plan one rank with the real planner; times, sizes and counts."""
+def plan_rank(ckpt: Checkpoint, layout: Layout, rank: int, *, composition: Any = None,
+              memory: bool = False) -> dict[str, Any]:
+    """Plan one rank with the real planner (``composition``: traced already, or None to trace it
+    in the timed plan, as every real rank does); times, sizes and counts."""
     from bench.limit import plan_ranges
     from hp_dcp_hf import HFMappingPlanner
 
     with fake_rank(rank, layout.world):
         state = rank_state_dict(ckpt, layout, rank)
-        planner = HFMappingPlanner(ckpt.model)
+        planner = HFMappingPlanner(ckpt.model, composition=composition)
         if memory:
             tracemalloc.start()
         start = time.perf_counter()
@@ -329,18 +305,18 @@ def simulate(arch: str, worlds: Sequence[int], *, layouts_: Sequence[str] = ("fs
             ranks = sample_ranks(world, max(fresh_plans, cached_plans))
             fresh, cached = [], []
             for i, rank in enumerate(ranks):
-                if i < fresh_plans:
-                    seconds: list[float] = []
-                    with planner_composition(ckpt, reuse=False, seconds=seconds):
-                        row = plan_rank(ckpt, layout, rank)
-                    row["composition_s"] = seconds[0] if seconds else None
+                if i < fresh_plans:  # what a real rank pays: trace the conversion, then plan
+                    t0 = time.perf_counter()
+                    traced = build_composition(ckpt)
+                    traced_s = time.perf_counter() - t0
+                    row = plan_rank(ckpt, layout, rank, composition=traced)
+                    row["composition_s"] = traced_s
+                    row["plan_s"] += traced_s
                     fresh.append(row)
                 if i < cached_plans:
-                    with planner_composition(ckpt, reuse=True, seconds=[]):
-                        cached.append(plan_rank(ckpt, layout, rank))
+                    cached.append(plan_rank(ckpt, layout, rank, composition=composition))
             if world == max(worlds) and fresh_plans:  # tracemalloc slows planning: a separate, untimed run
-                with planner_composition(ckpt, reuse=False, seconds=[]):
-                    fresh[0]["plan_peak_bytes"] = plan_rank(ckpt, layout, ranks[0], memory=True)["plan_peak_bytes"]
+                fresh[0]["plan_peak_bytes"] = plan_rank(ckpt, layout, ranks[0], memory=True)["plan_peak_bytes"]
             mismatched = [r["rank"] for r in fresh + cached if r["bytes_needed"] != totals["ours"][r["rank"]]]
             record = _summarize(arch, ckpt, layout, totals, fresh, cached, mismatched, closed_s)
             log("    " + sim_line(record))

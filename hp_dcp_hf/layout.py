@@ -74,6 +74,14 @@ def shard_pieces(
     return _pieces(_dim_runs(global_shape, mesh_shape, coordinate, steps))
 
 
+def local_shape(
+    global_shape: Sequence[int], mesh_shape: Sequence[int], coordinate: Sequence[int], placements: Sequence[Placement]
+) -> tuple[int, ...]:
+    """The shape of the local tensor the rank at ``coordinate`` holds. Pure: no process group."""
+    steps = _steps(len(global_shape), mesh_shape, coordinate, placements, None, None)
+    return tuple(sum(size for _, size in runs) for runs in _dim_runs(global_shape, mesh_shape, coordinate, steps))
+
+
 def local_shard_pieces(tensor: torch.Tensor, *, key: str | None = None) -> tuple[ShardPiece, ...]:
     """The pieces this rank holds of ``tensor``: a DTensor's by its layout, a plain tensor's whole."""
     if not isinstance(tensor, DTensor):

@@ -94,6 +94,8 @@ class HFMappingPlanner(LoadPlanner):
         strict: raise :class:`MissingKeysError` during planning when a model tensor is not made.
         external_target_fqns: state dict keys another reader fills (neither loaded nor missing).
         claimed_source_keys: checkpoint keys another reader consumes (never unexpected).
+        composition: the mapping traced already for this model and checkpoint (one process planning
+            many ranks of the same model traces it once); by default each plan traces its own.
         trace: read exactly the needed boxes (default). ``False`` is the legacy pattern: read whole
             checkpoint tensors, convert in memory, keep the local part; the reference to compare with.
     """
@@ -107,6 +109,7 @@ class HFMappingPlanner(LoadPlanner):
         external_target_fqns: Collection[str] = (),
         claimed_source_keys: Collection[str] = (),
         trace: bool = True,
+        composition: Composition | None = None,
     ) -> None:
         self.model = model
         self.trace = trace
@@ -116,7 +119,7 @@ class HFMappingPlanner(LoadPlanner):
         self.claimed_source_keys = frozenset(claimed_source_keys)
         self.report: LoadReport | None = None
         self.stats = PlanStats()
-        self.composition: Composition | None = None
+        self.composition = composition
         self.filled: tuple[str, ...] = ()  # the state dict keys written (one per tied group)
         self._destinations: dict[ReadItem, _Destination] = {}
         self._staging: dict[str, torch.Tensor] = {}
@@ -190,14 +193,13 @@ class HFMappingPlanner(LoadPlanner):
             raise PlanningError(f"external targets absent from the model: {_sorted(unknown)}")
         aliases = self._alias_groups(state_dict)
         wanted = {name for name in state_dict if name not in self.external_target_fqns}
-        config = getattr(self.model, "config", None)
-        composition = Composition(
+        composition = self.composition or Composition(
             model_stages(self.model, self.weights_mapping),
             sources,
             wanted,
             stage_shapes=[{}, *recorded_source_shapes(self.model)],
             model=self.model,
-            config=config,
+            config=getattr(self.model, "config", None),
             base_model_prefix=getattr(self.model, "base_model_prefix", None),
             trace=self.trace,
         )

@@ -23,7 +23,7 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 
 from hp_dcp_hf.box import Box, disjoint_cover
 from hp_dcp_hf.errors import LayoutError
-from hp_dcp_hf.layout import ShardPiece, local_shard_pieces, shard_pieces
+from hp_dcp_hf.layout import ShardPiece, local_shape, local_shard_pieces, shard_pieces
 
 
 class MeshSizes:
@@ -71,6 +71,7 @@ def check_layout(global_shape: Sequence[int], mesh_shape: Sequence[int], placeme
         expected = torch_local(global_tensor, mesh_shape, coordinate, placements)
         where = f"{global_shape} {mesh_shape} {placements} at {coordinate}"
         assert torch.equal(rebuild(global_tensor, pieces, expected.shape), expected), where
+        assert local_shape(global_shape, mesh_shape, coordinate, placements) == tuple(expected.shape), where
         assert disjoint_cover([p.local_box() for p in pieces], expected.shape) or expected.numel() == 0, where
         assert all(not p.global_box.is_empty() for p in pieces), where
         assert [p.local_offsets for p in pieces] == sorted(p.local_offsets for p in pieces), where
