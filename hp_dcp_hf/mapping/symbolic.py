@@ -189,12 +189,34 @@ class RegionTensor(torch.Tensor):
     """
 
     pieces: tuple[Piece, ...]
+    _dims: tuple[int, ...]
 
     @staticmethod
     def __new__(cls, shape: Sequence[int], pieces: Sequence[Piece], dtype: torch.dtype) -> RegionTensor:
-        tensor = torch.Tensor._make_subclass(cls, torch.empty(tuple(shape), dtype=dtype, device="meta"))
+        dims = tuple(int(s) for s in shape)
+        tensor = torch.Tensor._make_subclass(cls, torch.empty(dims, dtype=dtype, device="meta"))
         tensor.pieces = tuple(pieces)
+        tensor._dims = dims
         return tensor
+
+    # Shape queries answered in Python: conversion code asks them often, and through
+    # __torch_function__ each would cost a dispatch (planning a 671B-parameter MoE asks ~10^6).
+    @property
+    def shape(self) -> torch.Size:  # type: ignore[override]
+        return torch.Size(self._dims)
+
+    @property
+    def ndim(self) -> int:  # type: ignore[override]
+        return len(self._dims)
+
+    def dim(self) -> int:  # type: ignore[override]
+        return len(self._dims)
+
+    def size(self, dim: int | None = None):  # type: ignore[override]
+        return self.shape if dim is None else self._dims[dim]
+
+    def numel(self) -> int:  # type: ignore[override]
+        return math.prod(self._dims)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         pass
@@ -209,7 +231,7 @@ class RegionTensor(torch.Tensor):
         return cls(shape, (Piece(key, (0,) * len(shape), (0,) * len(shape), axes),), dtype)
 
     def __repr__(self, *args: Any, **kwargs: Any) -> str:
-        return f"RegionTensor(shape={tuple(self.shape)}, pieces={len(self.pieces)})"
+        return f"RegionTensor(shape={self._dims}, pieces={len(self.pieces)})"
 
     def source_keys(self) -> set[str]:
         """Checkpoint keys this tensor reads from."""
@@ -217,22 +239,22 @@ class RegionTensor(torch.Tensor):
 
     def _norm(self, dim: int) -> int:
         if not -self.ndim <= dim < max(self.ndim, 1):
-            raise IndexError(f"dim {dim} out of range for shape {tuple(self.shape)}")
+            raise IndexError(f"dim {dim} out of range for shape {self._dims}")
         return dim % self.ndim if self.ndim else 0
 
     def narrow(self, dim: int, start: int, length: int) -> RegionTensor:
         dim = self._norm(dim)
         if start < 0:
-            start += self.shape[dim]
-        if not (start >= 0 and length >= 0 and start + length <= self.shape[dim]):
-            raise IndexError(f"narrow({dim}, {start}, {length}) outside shape {tuple(self.shape)}")
+            start += self._dims[dim]
+        if not (start >= 0 and length >= 0 and start + length <= self._dims[dim]):
+            raise IndexError(f"narrow({dim}, {start}, {length}) outside shape {self._dims}")
         pieces = []
         for piece in self.pieces:
             for part in restrict(piece, dim, start, start + length):
                 origin = list(part.origin)
                 origin[dim] -= start
                 pieces.append(replace(part, origin=tuple(origin)))
-        shape = list(self.shape)
+        shape = list(self._dims)
         shape[dim] = length
         return RegionTensor(shape, pieces, self.dtype)
 
@@ -246,7 +268,7 @@ class RegionTensor(torch.Tensor):
                   tuple(replace(a, dim=where[a.dim]) for a in p.axes))
             for p in self.pieces
         ]
-        return RegionTensor([self.shape[d] for d in order], pieces, self.dtype)
+        return RegionTensor([self._dims[d] for d in order], pieces, self.dtype)
 
     def transpose(self, dim0: int, dim1: int) -> RegionTensor:
         order = list(range(self.ndim))
@@ -265,8 +287,8 @@ class RegionTensor(torch.Tensor):
             known = math.prod(s for s in new if s != -1)
             new[new.index(-1)] = self.numel() // known if known else 0
         if math.prod(new) != self.numel():
-            raise ValueError(f"cannot reshape {tuple(self.shape)} into {tuple(new)}")
-        pieces = [part for p in self.pieces for part in _reshape_piece(p, self.shape, new)]
+            raise ValueError(f"cannot reshape {self._dims} into {tuple(new)}")
+        pieces = [part for p in self.pieces for part in _reshape_piece(p, self._dims, new)]
         return RegionTensor(new, pieces, self.dtype)
 
     view = reshape
@@ -275,24 +297,19 @@ class RegionTensor(torch.Tensor):
         if self.ndim == 0:
             return self.reshape(1)
         s, e = self._norm(start_dim), self._norm(end_dim)
-        return self.reshape([*self.shape[:s], math.prod(self.shape[s : e + 1]), *self.shape[e + 1 :]])
+        return self.reshape([*self._dims[:s], math.prod(self._dims[s : e + 1]), *self._dims[e + 1 :]])
 
     def unflatten(self, dim: int, sizes: Sequence[int]) -> RegionTensor:
         d = self._norm(dim)
-        return self.reshape([*self.shape[:d], *sizes, *self.shape[d + 1 :]])
+        return self.reshape([*self._dims[:d], *sizes, *self._dims[d + 1 :]])
 
     def unsqueeze(self, dim: int) -> RegionTensor:
         d = dim % (self.ndim + 1)
-        pieces = [
-            Piece(p.key, (*p.origin[:d], 0, *p.origin[d:]), p.src_origin,
-                  tuple(replace(a, dim=a.dim + (a.dim >= d)) for a in p.axes))
-            for p in self.pieces
-        ]
-        return RegionTensor([*self.shape[:d], 1, *self.shape[d:]], pieces, self.dtype)
+        return RegionTensor([*self._dims[:d], 1, *self._dims[d:]], _inserted_dim(self.pieces, d, 0), self.dtype)
 
     def squeeze(self, dim: int | Sequence[int] | None = None) -> RegionTensor:
         dims = range(self.ndim) if dim is None else [dim] if isinstance(dim, int) else dim
-        drop = sorted({self._norm(d) for d in dims if self.shape[d] == 1}, reverse=True)
+        drop = sorted({self._norm(d) for d in dims if self._dims[d] == 1}, reverse=True)
         result = self
         for d in drop:
             pieces = [
@@ -300,12 +317,12 @@ class RegionTensor(torch.Tensor):
                       tuple(replace(a, dim=a.dim - (a.dim > d)) for a in p.axes))
                 for p in result.pieces
             ]
-            result = RegionTensor([*result.shape[:d], *result.shape[d + 1 :]], pieces, self.dtype)
+            result = RegionTensor([*result._dims[:d], *result._dims[d + 1 :]], pieces, self.dtype)
         return result
 
     def split(self, split_size_or_sections, dim: int = 0) -> tuple[RegionTensor, ...]:
         dim = self._norm(dim)
-        length = self.shape[dim]
+        length = self._dims[dim]
         if isinstance(split_size_or_sections, int):
             step = split_size_or_sections
             sizes = [min(step, length - s) for s in range(0, length, step)] or [0]
@@ -317,7 +334,7 @@ class RegionTensor(torch.Tensor):
         return tuple(self.narrow(dim, s, n) for s, n in zip(starts, sizes))
 
     def chunk(self, chunks: int, dim: int = 0) -> tuple[RegionTensor, ...]:
-        length = self.shape[self._norm(dim)]
+        length = self._dims[self._norm(dim)]
         return self.split(max(1, -(-length // chunks)), dim)
 
     def contiguous(self, *args, **kwargs) -> RegionTensor:
@@ -332,7 +349,7 @@ class RegionTensor(torch.Tensor):
     def to(self, *args, **kwargs) -> RegionTensor:
         """Device moves are no-ops; a dtype change is recorded (the reader casts on copy)."""
         dtype = kwargs.get("dtype") or next((a for a in args if isinstance(a, torch.dtype)), None)
-        return self if dtype is None else RegionTensor(self.shape, self.pieces, dtype)
+        return self if dtype is None else RegionTensor(self._dims, self.pieces, dtype)
 
     def __getitem__(self, index) -> RegionTensor:
         index = index if isinstance(index, tuple) else (index,)
@@ -345,10 +362,10 @@ class RegionTensor(torch.Tensor):
             if item is None:
                 result, dim = result.unsqueeze(dim), dim + 1
             elif isinstance(item, int):
-                size = result.shape[dim]
+                size = result._dims[dim]
                 result = result.narrow(dim, item % size if size else 0, 1).squeeze(dim)
             elif isinstance(item, slice) and item.step in (None, 1):
-                start, stop, _ = item.indices(result.shape[dim])
+                start, stop, _ = item.indices(result._dims[dim])
                 result, dim = result.narrow(dim, start, max(0, stop - start)), dim + 1
             else:
                 raise UntraceableOp(f"indexing with {item!r}")
@@ -368,29 +385,54 @@ class RegionTensor(torch.Tensor):
         return handler(*args, **kwargs)
 
 
-def _cat(tensors: Sequence[RegionTensor], dim: int = 0) -> RegionTensor:
-    tensors = [t for t in tensors if not (t.ndim == 1 and t.shape[0] == 0)] or list(tensors[:1])
+def _inserted_dim(pieces: Sequence[Piece], dim: int, at: int) -> list[Piece]:
+    """``pieces`` with a new traced dim ``dim`` in which they sit at index ``at``."""
+    return [
+        Piece(p.key, (*p.origin[:dim], at, *p.origin[dim:]), p.src_origin,
+              tuple(a if a.dim < dim else Axis(a.size, a.dim + 1, a.step, a.src_dim, a.src_step) for a in p.axes))
+        for p in pieces
+    ]
+
+
+def _shifted(pieces: Sequence[Piece], dim: int, offset: int) -> list[Piece]:
+    if not offset:
+        return list(pieces)
+    return [
+        Piece(p.key, (*p.origin[:dim], p.origin[dim] + offset, *p.origin[dim + 1 :]), p.src_origin, p.axes)
+        for p in pieces
+    ]
+
+
+def _symbolic(tensors: Sequence[torch.Tensor]) -> list[RegionTensor]:
     if not all(isinstance(t, RegionTensor) for t in tensors):
-        raise UntraceableOp("cat of symbolic and real tensors")
+        raise UntraceableOp("an op mixing symbolic and real tensors")
+    return list(tensors)  # type: ignore[arg-type]
+
+
+def _cat(tensors: Sequence[RegionTensor], dim: int = 0) -> RegionTensor:
+    tensors = _symbolic([t for t in tensors if t.shape != (0,)] or list(tensors[:1]))
     first = tensors[0]
     dim = first._norm(dim)
     for t in tensors:
-        if t.ndim != first.ndim or any(a != b for d, (a, b) in enumerate(zip(t.shape, first.shape)) if d != dim):
-            raise ValueError(f"cat: shapes {[tuple(t.shape) for t in tensors]} do not agree off dim {dim}")
+        if t.ndim != first.ndim or any(a != b for d, (a, b) in enumerate(zip(t._dims, first._dims)) if d != dim):
+            raise ValueError(f"cat: shapes {[t._dims for t in tensors]} do not agree off dim {dim}")
     pieces, offset = [], 0
     for t in tensors:
-        for p in t.pieces:
-            origin = list(p.origin)
-            origin[dim] += offset
-            pieces.append(replace(p, origin=tuple(origin)))
-        offset += t.shape[dim]
-    shape = list(first.shape)
+        pieces.extend(_shifted(t.pieces, dim, offset))
+        offset += t._dims[dim]
+    shape = list(first._dims)
     shape[dim] = offset
     return RegionTensor(shape, pieces, first.dtype)
 
 
 def _stack(tensors: Sequence[RegionTensor], dim: int = 0) -> RegionTensor:
-    return _cat([t.unsqueeze(dim) for t in tensors], dim)
+    tensors = _symbolic(tensors)
+    first = tensors[0]
+    dim = dim % (first.ndim + 1)
+    if any(t._dims != first._dims for t in tensors):
+        raise ValueError(f"stack: shapes {[t._dims for t in tensors]} differ")
+    pieces = [p for at, t in enumerate(tensors) for p in _inserted_dim(t.pieces, dim, at)]
+    return RegionTensor([*first._dims[:dim], len(tensors), *first._dims[dim:]], pieces, first.dtype)
 
 
 def _method(name: str) -> Callable[..., Any]:
