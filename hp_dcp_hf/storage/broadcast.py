@@ -68,8 +68,9 @@ def _broadcast(payload: bytes | None, src: int = 0) -> bytes:
 def agree_on_failure(error: BaseException | None) -> BaseException | None:
     """Every rank learns whether any rank failed: the error this rank must raise, or None.
 
-    A failing rank keeps its own error; the others get the first failing rank's, rebuilt as the
-    same :mod:`hp_dcp_hf.errors` type from JSON.
+    Every rank raises the first failing rank's error (that rank its own object, the others the
+    same :mod:`hp_dcp_hf.errors` type rebuilt from JSON), so all ranks report one cause, as DCP's
+    gathered failures do.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     first = torch.tensor([rank if error is not None else world], dtype=torch.int64, device=_device())
@@ -78,7 +79,7 @@ def agree_on_failure(error: BaseException | None) -> BaseException | None:
     if src == world:
         return None
     raw = _broadcast(_encode_error(error) if rank == src else None, src=src)
-    return error if error is not None else _decode_error(raw, src)
+    return error if rank == src else _decode_error(raw, src)
 
 
 def share_from_rank0(produce: Callable[[], bytes]) -> bytes:

@@ -7,7 +7,10 @@ the headers are read every key must sit in the file the index says, and nothing 
 two files is an error, since either choice would be a silent guess. Pickle checkpoints are refused.
 
 A :class:`Catalog` round-trips through JSON so that one rank can read every header and hand the
-result to the others (never pickle: the bytes cross process boundaries).
+result to the others (never pickle: the bytes cross process boundaries). With the headers go the
+files' versions (size and the backend's version tag, recorded when each header was read), against
+which every rank's data reads are checked, so a file changed after its header was read raises
+instead of loading bytes its header does not describe.
 """
 
 from __future__ import annotations
@@ -15,12 +18,12 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hp_dcp_hf.errors import CheckpointFormatError, CheckpointNotFoundError, UnsafeCheckpointError
 from hp_dcp_hf.storage.dtypes import lookup_dtype
 from hp_dcp_hf.storage.header import MAX_HEADER_BYTES, FileHeader, TensorEntry, loads_json_object, read_header
-from hp_dcp_hf.storage.location import CheckpointLocation
+from hp_dcp_hf.storage.location import CheckpointLocation, FileVersion
 from hp_dcp_hf.storage.stats import ReadStats
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -38,18 +41,26 @@ def _is_unsafe(name: str) -> bool:
 
 @dataclass(frozen=True)
 class Catalog:
-    """Every tensor of a checkpoint by key; file names are relative to ``root``."""
+    """Every tensor of a checkpoint by key; file names are relative to ``root``.
+
+    ``versions``: each file as it was when its header was read (size and version tag); a
+    :class:`~hp_dcp_hf.storage.location.CheckpointLocation` given them checks data reads against them.
+    """
 
     root: str
     files: tuple[str, ...]
     entries: Mapping[str, TensorEntry]
+    versions: Mapping[str, FileVersion] = field(default_factory=dict)
 
     def to_json(self) -> bytes:
         entries = [
             [e.key, e.file, e.dtype_name, list(e.shape), e.data_start, e.nbytes]
             for e in self.entries.values()
         ]
-        return json.dumps({"root": self.root, "files": list(self.files), "entries": entries}).encode()
+        versions = {file: version.to_json() for file, version in self.versions.items()}
+        return json.dumps(
+            {"root": self.root, "files": list(self.files), "entries": entries, "versions": versions}
+        ).encode()
 
     @classmethod
     def from_json(cls, raw: bytes) -> Catalog:
@@ -60,7 +71,8 @@ class Catalog:
             )
             for key, file, name, shape, start, n in data["entries"]
         }
-        return cls(data["root"], tuple(data["files"]), entries)
+        versions = {file: FileVersion.from_json(value) for file, value in data.get("versions", {}).items()}
+        return cls(data["root"], tuple(data["files"]), entries, versions)
 
 
 def _check_index_file_name(name: object, key: str) -> str:
@@ -159,8 +171,13 @@ def _collect(headers: list[FileHeader], weight_map: Mapping[str, str] | None) ->
 def scan(
     location: CheckpointLocation, single_file: str | None, stats: ReadStats, num_threads: int = 8
 ) -> Catalog:
-    """Find the files, read every header (``num_threads`` at a time) and cross-check them."""
+    """Find the files, read every header (``num_threads`` at a time) and cross-check them.
+
+    Each file's version is the one recorded when its size was asked for the header read (no
+    request of its own), and that header read is itself checked against it.
+    """
     files, weight_map = find_files(location, single_file, stats)
     with ThreadPoolExecutor(max(1, min(num_threads, len(files)))) as pool:
         headers = list(pool.map(lambda file: read_header(location, file, stats), files))
-    return Catalog(location.root, files, _collect(headers, weight_map))
+    versions = {file: location.version(file) for file in files}
+    return Catalog(location.root, files, _collect(headers, weight_map), versions)

@@ -11,14 +11,24 @@ backends of their own in :mod:`hp_dcp_hf.storage.remote`.
 
 Only :meth:`Backend.open` (and the reads of the handle it returns) runs on every rank during a
 load; everything else is metadata, asked by the rank that reads the headers.
+
+Files that change during a load are caught: when the metadata rank asks a file's size it gets a
+:class:`FileVersion` (the size plus the version tag the backend gives for free: local mtime and
+inode, an S3 or HTTP ETag, a Hub commit), which travels with the headers; a handle opened with that
+version checks every read against it (local: ``os.fstat`` of its descriptor; remote: the
+``Content-Range`` total and the version header of each ranged answer) and raises
+:class:`StorageReadError` "changed since its header was read (...)" on a mismatch.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import posixpath
+import socket
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import fsspec
@@ -36,6 +46,59 @@ REMOTE_BLOCK_BYTES = 16 * 2**20
 """Largest single ``cat_file`` request: bounds the temporary ``bytes`` a remote read holds at once."""
 
 T = TypeVar("T")
+
+
+# -- file versions --------------------------------------------------------------------------------
+
+
+def changed_error(file: str, detail: str) -> StorageReadError:
+    """The error of a file whose bytes are no longer those its header described."""
+    return StorageReadError(
+        f"changed since its header was read ({detail}); it was modified during the load, load it again "
+        "once it is complete",
+        file=file,
+    )
+
+
+@dataclass(frozen=True)
+class FileVersion:
+    """A checkpoint file as it was when its header was read: its size and a version tag.
+
+    ``tag`` is what the backend got for free with the size (local: mtime and inode; S3 and HTTP:
+    the ETag; Hub: the commit), ``None`` when it gave none. ``scope`` says where the tag means
+    something: a host name for local tags (another machine's copy of the same path has its own
+    mtime and inode, so only the size is checked there), ``None`` for tags valid everywhere.
+    """
+
+    size: int
+    tag: str | None = None
+    scope: str | None = None
+
+    def check(self, file: str, *, size: int | None = None, tag: str | None = None) -> None:
+        """Raise :func:`changed_error` unless ``size`` and ``tag`` (where given) match this version."""
+        if size is not None and size != self.size:
+            raise changed_error(file, f"size {self.size} -> {size}")
+        if tag is not None and self.tag is not None and tag != self.tag and self.scope in (None, host_name()):
+            raise changed_error(file, f"version {self.tag} -> {tag}, size {self.size} unchanged")
+
+    def to_json(self) -> list[Any]:
+        return [self.size, self.tag, self.scope]
+
+    @classmethod
+    def from_json(cls, value: Sequence[Any]) -> FileVersion:
+        size, tag, scope = value
+        return cls(int(size), tag, scope)
+
+
+@functools.cache
+def host_name() -> str:
+    """This machine's name: the scope of local version tags."""
+    return socket.gethostname()
+
+
+def local_version(st: os.stat_result) -> FileVersion:
+    """The version of a local file from its ``stat``: size, and mtime + inode on this host."""
+    return FileVersion(st.st_size, f"mtime_ns={st.st_mtime_ns} inode={st.st_ino}", host_name())
 
 
 class RangeFile:
@@ -85,10 +148,17 @@ def fill_views(views: list[memoryview], position: tuple[int, int], data: memoryv
 
 
 class _LocalFile(RangeFile):
-    """A local file: one descriptor, ``os.preadv`` scatter reads straight into the caller's buffers."""
+    """A local file: one descriptor, ``os.preadv`` scatter reads straight into the caller's buffers.
 
-    def __init__(self, file: str, path: str) -> None:
+    With an ``expected`` version, ``os.fstat`` of the descriptor is checked against it before the
+    first read (so a file changed before the load reads nothing) and after every read (so one
+    changed while it was read raises instead of leaving mixed bytes unreported).
+    """
+
+    def __init__(self, file: str, path: str, expected: FileVersion | None = None) -> None:
         super().__init__(file)
+        self._expected = expected
+        self._checked = False
         try:
             self._fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError as e:
@@ -96,7 +166,16 @@ class _LocalFile(RangeFile):
         except OSError as e:
             raise StorageReadError(f"cannot open: {e}", file=file) from e
 
+    def _check_unchanged(self) -> None:
+        if self._expected is None:
+            return
+        current = local_version(os.fstat(self._fd))
+        self._expected.check(self.file, size=current.size, tag=current.tag)
+        self._checked = True
+
     def read_into(self, start: int, buffers: Sequence[Any]) -> None:
+        if not self._checked:
+            self._check_unchanged()
         views = [v for v in (memoryview(b).cast("B") for b in buffers) if v.nbytes]
         end = start + sum(v.nbytes for v in views)
         pos, first = start, 0
@@ -106,6 +185,7 @@ class _LocalFile(RangeFile):
             except OSError as e:
                 raise StorageReadError(f"read at {pos} failed: {e}", file=self.file) from e
             if got == 0:
+                self._check_unchanged()  # a file cut short since its header was read says so
                 raise self._short(start, end, pos - start)
             pos += got
             # preadv may stop early (signals, >2 GiB): drop what is filled, trim the partial view.
@@ -114,6 +194,7 @@ class _LocalFile(RangeFile):
                 first += 1
             if got:
                 views[first] = views[first][got:]
+        self._check_unchanged()
 
     def close(self) -> None:
         os.close(self._fd)
@@ -154,20 +235,32 @@ class _FsspecFile(RangeFile):
 
     Transient errors are retried under ``retry`` (see :class:`~hp_dcp_hf.storage.remote.RetryPolicy`);
     a body shorter than asked is a file shorter than its header says, one longer is a server that
-    ignored the range: both raise at once.
+    ignored the range: both raise at once. ``cat_file`` shows no response headers, so against an
+    ``expected`` version only a short body is checked (as a changed size); stores with headers to
+    check (S3) override :meth:`fetch`.
     """
 
     def __init__(
-        self, file: str, fs: AbstractFileSystem, path: str, retry: RetryPolicy | None = None
+        self,
+        file: str,
+        fs: AbstractFileSystem,
+        path: str,
+        retry: RetryPolicy | None = None,
+        expected: FileVersion | None = None,
     ) -> None:
         super().__init__(file)
         self._fs = fs
         self._path = path
         self._retry = retry
+        self._expected = expected
+
+    def fetch(self, start: int, end: int) -> bytes:
+        """One try at the bytes ``[start, end)`` (fewer at the end of the file)."""
+        return self._fs.cat_file(self._path, start=start, end=end)
 
     def read(self, start: int, end: int) -> bytes:
         def attempt() -> bytes:
-            return self._fs.cat_file(self._path, start=start, end=end)
+            return self.fetch(start, end)
 
         try:
             if self._retry is None:
@@ -192,6 +285,9 @@ class _FsspecFile(RangeFile):
                 file=self.file,
             )
         if len(data) < end - start:
+            if self._expected is not None and start + len(data) < self._expected.size:
+                size = start + len(data) if data else f"at most {start}"
+                raise changed_error(self.file, f"size {self._expected.size} -> {size}")
             raise self._short(start, end, len(data))
         return data
 
@@ -244,12 +340,22 @@ class Backend:
         """The size of the file at ``path``; ``FileNotFoundError`` when it does not exist."""
         raise NotImplementedError
 
+    def stat(self, path: str) -> FileVersion:
+        """The size of the file at ``path`` and whatever version tag came with it, at no extra cost;
+        ``FileNotFoundError`` when it does not exist. Without a tag of its own: the size alone."""
+        return FileVersion(self.size(path))
+
     def list_files(self, root: str) -> list[str]:
         """Names of the plain files directly under ``root``, sorted."""
         raise NotImplementedError
 
-    def open(self, path: str, file: str) -> RangeFile:
-        """A handle for ranged reads of the file at ``path`` (named ``file`` in errors); no I/O."""
+    def open(self, path: str, file: str, expected: FileVersion | None = None) -> RangeFile:
+        """A handle for ranged reads of the file at ``path`` (named ``file`` in errors); no I/O.
+
+        With ``expected`` (what :meth:`stat` said when the header was read, maybe on another rank),
+        reads raise :func:`changed_error` when the file is no longer that version, checked from
+        what the reads see anyway (no extra request).
+        """
         raise NotImplementedError
 
 
@@ -287,14 +393,19 @@ class FsspecBackend(Backend):
     def size(self, path: str) -> int:
         return int(self._call("size", path, lambda: self.fs.size(path)))
 
+    def stat(self, path: str) -> FileVersion:
+        if self.local:
+            return local_version(os.stat(path))
+        return super().stat(path)
+
     def list_files(self, root: str) -> list[str]:
         entries = self._call("list", root, lambda: self.fs.ls(root, detail=True))
         return sorted(posixpath.basename(e["name"].rstrip("/")) for e in entries if e.get("type") == "file")
 
-    def open(self, path: str, file: str) -> RangeFile:
+    def open(self, path: str, file: str, expected: FileVersion | None = None) -> RangeFile:
         if self.local:
-            return _LocalFile(file, path)
-        return _FsspecFile(file, self.fs, path, self.retry)
+            return _LocalFile(file, path, expected)
+        return _FsspecFile(file, self.fs, path, self.retry, expected)
 
 
 def as_backend(fs: Backend | AbstractFileSystem) -> Backend:
@@ -345,13 +456,18 @@ def filesystem(
 class CheckpointLocation:
     """A directory of checkpoint files, named relative to it, on some :class:`Backend`.
 
-    ``fs`` may be a backend or a plain fsspec filesystem (wrapped in its backend).
+    ``fs`` may be a backend or a plain fsspec filesystem (wrapped in its backend). ``versions``
+    (file name -> :class:`FileVersion`) are what the files were when their headers were read;
+    :meth:`size` records them, :meth:`open` hands them to the handle, which checks its reads.
     """
 
-    def __init__(self, fs: Backend | AbstractFileSystem, root: str) -> None:
+    def __init__(
+        self, fs: Backend | AbstractFileSystem, root: str, versions: Mapping[str, FileVersion] | None = None
+    ) -> None:
         self.backend = as_backend(fs)
         self.fs = self.backend.fs
         self.root = root
+        self.versions: dict[str, FileVersion] = dict(versions or {})
 
     def __repr__(self) -> str:
         return f"CheckpointLocation({self.backend!r}, {self.root!r})"
@@ -363,18 +479,30 @@ class CheckpointLocation:
         return self.backend.isfile(self.path(file))
 
     def size(self, file: str) -> int:
+        """The size of ``file``, whose version is recorded: later handles of it check against it."""
+        return self.stat(file).size
+
+    def stat(self, file: str) -> FileVersion:
+        """The current version of ``file`` (asked of the backend), recorded in :attr:`versions`."""
         try:
-            return self.backend.size(self.path(file))
+            version = self.backend.stat(self.path(file))
         except FileNotFoundError as e:
             raise CheckpointNotFoundError("file does not exist", file=file) from e
+        self.versions[file] = version
+        return version
+
+    def version(self, file: str) -> FileVersion:
+        """The recorded version of ``file`` (its :meth:`stat` when none is recorded yet)."""
+        return self.versions.get(file) or self.stat(file)
 
     def list_files(self) -> list[str]:
         """Names of the plain files directly under the root, sorted."""
         return self.backend.list_files(self.root)
 
     def open(self, file: str) -> RangeFile:
-        """A handle for ranged reads of ``file``; use it as a context manager."""
-        return self.backend.open(self.path(file), file)
+        """A handle for ranged reads of ``file``, checked against its recorded version if any; use
+        it as a context manager."""
+        return self.backend.open(self.path(file), file, self.versions.get(file))
 
 
 def locate(fs: Backend | AbstractFileSystem, fspath: str) -> tuple[CheckpointLocation, str | None]:

@@ -202,7 +202,8 @@ class HFStorageReader(StorageReader):
             catalog = scanned[0] if scanned else Catalog.from_json(raw)
         else:
             catalog = self._scan()
-        self._location = CheckpointLocation(self._fs, catalog.root)
+        # The files' versions travel with the headers: every rank's reads are checked against them.
+        self._location = CheckpointLocation(self._fs, catalog.root, catalog.versions)
         self.entries = dict(catalog.entries)
         state_dict_metadata: dict[str, Any] = {}
         storage_data: dict[MetadataIndex, TensorEntry] = {}

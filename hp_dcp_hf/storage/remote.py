@@ -20,6 +20,13 @@ stays here:
   ``{endpoint}/{repo}/resolve/{commit}/{file}`` through the same client as HTTP, so ranks other
   than the one reading the headers send no metadata request at all.
 
+Files changed during a load: the size and ETag of an HTTP file come with its HEAD, of an S3 object
+with its size request, and a Hub file's version is its commit; every ranged answer (its
+``Content-Range`` total and ``ETag`` or ``X-Repo-Commit``) is checked against them, so a file
+rewritten after its header was read raises "changed since its header was read" at once, without
+a request of its own. (S3 data reads are ``get_object`` calls through s3fs for that reason: its
+``cat_file`` hides the response headers.)
+
 Transient failures (HTTP 408/425/429/5xx, connection resets, timeouts, bodies cut short) are
 retried with exponential backoff and jitter, resuming after the bytes already received, within
 :class:`RetryPolicy`'s attempts and deadline; then, or at once for permanent failures (404, 403,
@@ -44,7 +51,14 @@ from urllib.parse import quote, urlsplit
 from fsspec import AbstractFileSystem
 
 from hp_dcp_hf.errors import CheckpointNotFoundError, HPDCPHFError, StorageReadError
-from hp_dcp_hf.storage.location import Backend, FsspecBackend, RangeFile
+from hp_dcp_hf.storage.location import (
+    Backend,
+    FileVersion,
+    FsspecBackend,
+    RangeFile,
+    _FsspecFile,
+    changed_error,
+)
 
 T = TypeVar("T")
 
@@ -205,6 +219,22 @@ def _retry_after(value: str | None) -> float | None:
 _CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
 
 
+def _etag(value: str | None) -> str | None:
+    """An ETag as compared: a weak one (``W/"x"``) names the same version as the strong ``"x"``."""
+    if not value:
+        return None
+    return value.strip().removeprefix("W/")
+
+
+def _header(response: Any, name: str) -> str | None:
+    """Header ``name`` of ``response``, or of the last redirect that carried it."""
+    for r in (response, *reversed(getattr(response, "history", None) or ())):
+        value = r.headers.get(name)
+        if value:
+            return value
+    return None
+
+
 class HttpClient:
     """Ranged GETs and HEADs over ``requests``: one session (connection pool) per thread, retries.
 
@@ -266,8 +296,13 @@ class HttpClient:
 
     def probe(self, url: str, file: str) -> int | None:
         """The size of the file at ``url``, or ``None`` when the server says it does not exist."""
+        version = self.probe_version(url, file)
+        return None if version is None else version.size
 
-        def attempt() -> int | None:
+    def probe_version(self, url: str, file: str) -> FileVersion | None:
+        """The size and ETag of the file at ``url`` (one HEAD), ``None`` when it does not exist."""
+
+        def attempt() -> FileVersion | None:
             with self._session().head(
                 url, headers=self._headers({}), timeout=self.retry.timeout, allow_redirects=True
             ) as response:
@@ -275,27 +310,40 @@ class HttpClient:
                     return None
                 length = response.headers.get("Content-Length")
                 if response.status_code == 200 and length is not None:
-                    return int(length)
+                    return FileVersion(int(length), _etag(_header(response, "ETag")))
                 if response.status_code not in (200, 405, 501):
                     raise self._status_error(response, "HEAD", file)
             # No HEAD, or no length in its answer: ask for the first byte and read the total.
             with self._get(url, {"Range": "bytes=0-0"}) as response:
+                tag = _etag(_header(response, "ETag"))
                 if response.status_code in (404, 410):
                     return None
                 if response.status_code in (206, 416):
                     m = _CONTENT_RANGE.match(response.headers.get("Content-Range", "").replace("*/", "0-0/"))
                     if m and m.group(3) != "*":
-                        return int(m.group(3))
+                        return FileVersion(int(m.group(3)), tag)
                 if response.status_code == 200 and response.headers.get("Content-Length") is not None:
-                    return int(response.headers["Content-Length"])
+                    return FileVersion(int(response.headers["Content-Length"]), tag)
                 if response.status_code >= 400:
                     raise self._status_error(response, "size probe", file)
                 raise StorageReadError(f"cannot tell the size: HTTP {response.status_code} without a length", file=file)
 
         return self._run(attempt, "HEAD", file)
 
-    def read_into(self, url: str, file: str, start: int, buffers: Sequence[Any]) -> None:
-        """Fill ``buffers`` from the bytes at ``start``: ranged GETs, resumed after what arrived."""
+    def read_into(
+        self,
+        url: str,
+        file: str,
+        start: int,
+        buffers: Sequence[Any],
+        expected: FileVersion | None = None,
+        tag_header: str = "ETag",
+    ) -> None:
+        """Fill ``buffers`` from the bytes at ``start``: ranged GETs, resumed after what arrived.
+
+        With ``expected``, every answer's ``Content-Range`` total and ``tag_header`` (``ETag``, or
+        the Hub's ``X-Repo-Commit``) must be those of that version, else the file changed.
+        """
         views = [v for v in (memoryview(b).cast("B") for b in buffers) if v.nbytes]
         end = start + sum(v.nbytes for v in views)
         if end == start:
@@ -306,7 +354,7 @@ class HttpClient:
         def attempt() -> None:
             pos = progress["pos"]
             with self._get(url, {"Range": f"bytes={pos}-{end - 1}"}) as response:
-                self._check_range(response, file, pos, end)
+                self._check_range(response, file, pos, end, expected, tag_header)
                 raw = response.raw
                 while progress["pos"] < end:
                     view = views[progress["index"]]
@@ -324,10 +372,25 @@ class HttpClient:
 
         self._run(attempt, what, file)
 
-    def _check_range(self, response: Any, file: str, pos: int, end: int) -> None:
-        """The answer carries exactly the bytes ``[pos, end)``, or raise (before reading the body)."""
+    def _check_range(
+        self,
+        response: Any,
+        file: str,
+        pos: int,
+        end: int,
+        expected: FileVersion | None = None,
+        tag_header: str = "ETag",
+    ) -> None:
+        """The answer carries exactly the bytes ``[pos, end)`` of the ``expected`` version, or raise
+        (before reading the body)."""
         code = response.status_code
         asked = f"bytes [{pos}, {end})"
+        if expected is not None and code in (200, 206):
+            m = _CONTENT_RANGE.match(response.headers.get("Content-Range", ""))
+            if code == 206 and m and m.group(3) != "*":
+                expected.check(file, size=int(m.group(3)))
+            tag = _header(response, tag_header)
+            expected.check(file, tag=_etag(tag) if tag_header == "ETag" else tag)
         encoding = response.headers.get("Content-Encoding", "identity").lower()
         if code in (200, 206) and encoding not in ("identity", ""):
             raise StorageReadError(
@@ -352,6 +415,8 @@ class HttpClient:
         if code == 200:
             length = response.headers.get("Content-Length")
             if pos == 0 and length is not None and int(length) == end:
+                if expected is not None:
+                    expected.check(file, size=int(length))
                 return  # the whole file is exactly the range asked
             raise StorageReadError(
                 f"{asked}: the server ignored the Range header (HTTP 200 with the whole file"
@@ -360,6 +425,9 @@ class HttpClient:
                 file=file,
             )
         if code == 416:
+            m = _CONTENT_RANGE.match(response.headers.get("Content-Range", "").replace("*/", "0-0/"))
+            if expected is not None and m and m.group(3) != "*":
+                expected.check(file, size=int(m.group(3)))
             raise StorageReadError(
                 f"{asked}: range not satisfiable ({response.headers.get('Content-Range', 'no size given')}); "
                 "the file is shorter than its header says (it changed since?)",
@@ -369,15 +437,25 @@ class HttpClient:
 
 
 class HttpRangeFile(RangeFile):
-    """One file behind a URL, read with ranged GETs (no I/O until the first read)."""
+    """One file behind a URL, read with ranged GETs (no I/O until the first read), each answer
+    checked against the ``expected`` version (its ``tag_header`` carries the version tag)."""
 
-    def __init__(self, file: str, url: str, client: HttpClient) -> None:
+    def __init__(
+        self,
+        file: str,
+        url: str,
+        client: HttpClient,
+        expected: FileVersion | None = None,
+        tag_header: str = "ETag",
+    ) -> None:
         super().__init__(file)
         self.url = url
         self._client = client
+        self._expected = expected
+        self._tag_header = tag_header
 
     def read_into(self, start: int, buffers: Sequence[Any]) -> None:
-        self._client.read_into(self.url, self.file, start, buffers)
+        self._client.read_into(self.url, self.file, start, buffers, self._expected, self._tag_header)
 
 
 # -- plain HTTP(S) --------------------------------------------------------------------------------
@@ -396,12 +474,13 @@ class HttpBackend(Backend):
             )
         session_options = {k: options[k] for k in ("verify", "cert", "proxies") if k in options}
         self.client = HttpClient(retry or RetryPolicy(), options.get("headers"), session_options)
-        self._probed: dict[str, int | None] = {}  # url -> size (None: absent), since the last locate()
+        # url -> size and ETag (None: absent), since the last locate()
+        self._probed: dict[str, FileVersion | None] = {}
 
-    def _probe(self, url: str) -> int | None:
-        """One HEAD per file per load: ``exists`` then ``size`` of a file ask the server once."""
+    def _probe(self, url: str) -> FileVersion | None:
+        """One HEAD per file per load: ``exists``, ``size`` and ``stat`` of a file ask the server once."""
         if url not in self._probed:
-            self._probed[url] = self.client.probe(url, url)
+            self._probed[url] = self.client.probe_version(url, url)
         return self._probed[url]
 
     def __repr__(self) -> str:
@@ -434,10 +513,13 @@ class HttpBackend(Backend):
         return not path.rstrip("/").endswith(_FILE_SUFFIXES)
 
     def size(self, path: str) -> int:
-        size = self._probe(path)
-        if size is None:
+        return self.stat(path).size
+
+    def stat(self, path: str) -> FileVersion:
+        version = self._probe(path)
+        if version is None:
             raise FileNotFoundError(path)
-        return size
+        return version
 
     def list_files(self, root: str) -> list[str]:
         if self.isfile(self.join(root, INDEX_FILE)):
@@ -448,8 +530,8 @@ class HttpBackend(Backend):
             file=self.join(root, INDEX_FILE),
         )
 
-    def open(self, path: str, file: str) -> RangeFile:
-        return HttpRangeFile(file, path, self.client)
+    def open(self, path: str, file: str, expected: FileVersion | None = None) -> RangeFile:
+        return HttpRangeFile(file, path, self.client, expected)
 
 
 # -- Hugging Face Hub -----------------------------------------------------------------------------
@@ -595,6 +677,12 @@ class HubBackend(Backend):
         except Exception as e:
             raise StorageReadError(f"size failed: {type(e).__name__}: {e}", file=path) from e
 
+    def stat(self, path: str) -> FileVersion:
+        """The size, and the commit of the pinned root as the version (the Hub sends it back as
+        ``X-Repo-Commit``)."""
+        m = _HUB_PINNED.match(path)
+        return FileVersion(self.size(path), m.group("sha") if m else None)
+
     def list_files(self, root: str) -> list[str]:
         entries = self._call("list", root, lambda: self.fs.ls(root, detail=True))
         return sorted(e["name"].rstrip("/").rsplit("/", 1)[-1] for e in entries if e.get("type") == "file")
@@ -629,9 +717,87 @@ class HubBackend(Backend):
                 self._client = HttpClient(self.retry, headers)
             return self._client
 
-    def open(self, path: str, file: str) -> RangeFile:
+    def open(self, path: str, file: str, expected: FileVersion | None = None) -> RangeFile:
         self._check_online(path)
-        return HttpRangeFile(file, self.url(path), self._http())
+        return HttpRangeFile(file, self.url(path), self._http(), expected, tag_header="X-Repo-Commit")
+
+
+# -- S3 -------------------------------------------------------------------------------------------
+
+
+def _client_error_code(error: BaseException) -> str | None:
+    """The S3 error code behind an error s3fs translated (its cause is botocore's ClientError)."""
+    for e in (error, error.__cause__, error.__context__):
+        response = getattr(e, "response", None)
+        if isinstance(response, dict):
+            return str((response.get("Error") or {}).get("Code", "")) or None
+    return None
+
+
+class _S3File(_FsspecFile):
+    """An S3 object read with ranged ``get_object`` calls, each answer's ``ContentRange`` total and
+    ``ETag`` checked against the expected version (``cat_file`` would hide them)."""
+
+    def fetch(self, start: int, end: int) -> bytes:
+        if end <= start:
+            return b""
+        from fsspec.asyn import sync
+
+        fs: Any = self._fs
+        bucket, key, version_id = fs.split_path(self._path)
+        extra = {"VersionId": version_id} if version_id else {}
+
+        async def get() -> bytes:
+            response = await fs._call_s3(
+                "get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}", **extra
+            )
+            body = response["Body"]
+            try:
+                if self._expected is not None:
+                    m = _CONTENT_RANGE.match(response.get("ContentRange") or "")
+                    if m and m.group(3) != "*":
+                        self._expected.check(self.file, size=int(m.group(3)))
+                    self._expected.check(self.file, tag=_etag(response.get("ETag")))
+                return await body.read()
+            finally:
+                body.close()
+
+        try:
+            from s3fs.core import _error_wrapper  # what cat_file does: retry dropped bodies too
+        except ImportError:  # pragma: no cover - a future s3fs without it: our retry policy only
+            call = get
+        else:
+
+            async def call() -> bytes:
+                return await _error_wrapper(get, retries=fs.retries)
+
+        try:
+            return sync(fs.loop, call)
+        except OSError as e:
+            if _client_error_code(e) not in ("InvalidRange", "416"):
+                raise
+            if self._expected is not None:
+                raise changed_error(self.file, f"size {self._expected.size} -> at most {start}") from e
+            raise StorageReadError(
+                f"bytes [{start}, {end}): range not satisfiable, the object is shorter than its header says",
+                file=self.file,
+            ) from e
+
+
+class S3Backend(FsspecBackend):
+    """S3 through s3fs: sizes come with their ETag, data reads check both on every answer."""
+
+    def __repr__(self) -> str:
+        return "S3Backend()"
+
+    def stat(self, path: str) -> FileVersion:
+        info = self._call("info", path, lambda: self.fs.info(path))
+        if info.get("type") != "file":
+            raise FileNotFoundError(path)
+        return FileVersion(int(info["size"]), _etag(info.get("ETag")))
+
+    def open(self, path: str, file: str, expected: FileVersion | None = None) -> RangeFile:
+        return _S3File(file, self.fs, path, self.retry, expected)
 
 
 # -- choosing a backend ---------------------------------------------------------------------------
@@ -661,4 +827,6 @@ def backend_for_filesystem(fs: AbstractFileSystem, retry: RetryPolicy | None = N
         HfFileSystem = ()  # type: ignore[assignment]  # noqa: N806
     if isinstance(fs, HfFileSystem):
         return HubBackend(retry, fs=fs)
+    if type(fs).__name__ == "S3FileSystem" and hasattr(fs, "_call_s3") and hasattr(fs, "split_path"):
+        return S3Backend(fs, retry)
     return FsspecBackend(fs, retry)
