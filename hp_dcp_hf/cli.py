@@ -160,32 +160,6 @@ class RankPlan:
     reads: list[tuple[str, int, int]] = field(default_factory=list)
 
 
-def simulate_reads(reader, items) -> list[tuple[str, Any]]:
-    """``(file, Request)`` for every read request ``reader.read_data`` issues for ``items``.
-
-    No I/O: the same cutting into staging-budget chunks, per-file batching and coalescing as the
-    reader (its ``_chunks`` / ``_batches``), so the counts are the ones a real load measures.
-    """
-    from hp_dcp_hf.storage import Piece, coalesce
-    from hp_dcp_hf.storage.reader import _batches
-
-    budget = reader.staging_bytes // reader.num_threads
-    chunks = []
-    for index, item in enumerate(items):
-        dest = torch.empty(tuple(item.lengths), device="meta")
-        chunks.extend(reader._chunks(index, item, dest, budget))
-    out = []
-    for batch in _batches(chunks, budget):
-        pieces = []
-        for i, chunk in enumerate(batch):
-            offset = 0
-            for start, end in chunk.ranges:
-                pieces.append(Piece(start, end, i, offset))
-                offset += end - start
-        out.extend((batch[0].entry.file, request) for request in coalesce(pieces, reader.coalesce_gap))
-    return out
-
-
 def _register_fake_backend() -> None:
     """torch's ``fake`` process group backend (registered by importing its module)."""
     import torch.testing._internal.distributed.fake_pg  # noqa: F401
@@ -257,7 +231,7 @@ def plan_ranks(
         finally:
             dist.destroy_process_group()
             _clear_sharding_caches()
-        requests = simulate_reads(reader, items)
+        requests = reader.plan_requests(items)
         plan = RankPlan(
             rank, coordinate,
             targets=planner.stats.targets, read_items=planner.stats.read_items,
@@ -329,14 +303,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 class RecordingReader(HFStorageReader):
-    """An :class:`HFStorageReader` that also keeps every request it issues (``reads``: ``(file,
-    start, end)``, coalescing gaps included) and the wall time of its ``read_data`` calls."""
+    """An :class:`HFStorageReader` that keeps every request it issues (``reads``: ``(file, start,
+    end)``, coalescing gaps included) and the wall time of its ``read_data`` calls."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.reads: list[tuple[str, int, int]] = []
+        super().__init__(*args, record_requests=True, **kwargs)
         self.read_seconds = 0.0
-        self._reads_lock = threading.Lock()
+
+    @property
+    def reads(self) -> list[tuple[str, int, int]]:
+        return self.requests_log
 
     def read_data(self, plan, planner):
         start = time.perf_counter()
@@ -344,11 +320,6 @@ class RecordingReader(HFStorageReader):
             return super().read_data(plan, planner)
         finally:
             self.read_seconds += time.perf_counter() - start
-
-    def _read_request(self, handle, request, views, batch) -> None:  # type: ignore[override]
-        with self._reads_lock:
-            self.reads.append((handle.file, request.start, request.end))
-        HFStorageReader._read_request(handle, request, views, batch)
 
 
 def progress_planner(show: bool, desc: str = "rank 0 loading") -> Callable[..., Any]:

@@ -16,7 +16,7 @@ import os
 import threading
 import uuid
 from collections import defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
@@ -101,7 +101,8 @@ class HFStorageReader(StorageReader):
     tensor is read a block of rows at a time. ``broadcast_metadata``: in a process group, rank 0
     alone reads the headers and broadcasts them (every rank must then call ``read_metadata``,
     which ``dcp.load`` does). ``retry``: the :class:`~hp_dcp_hf.storage.remote.RetryPolicy` of
-    remote reads, or a dict of its fields.
+    remote reads, or a dict of its fields. ``record_requests``: keep every request issued in
+    ``requests_log`` as ``(file, start, end)`` (for pictures of a plan; off by default).
 
     Remote paths: ``s3://bucket/prefix`` (and other fsspec URLs), ``http(s)://`` directories that
     serve ``model.safetensors.index.json`` (or one ``.safetensors`` file), ``hf://org/repo[@rev]
@@ -124,9 +125,11 @@ class HFStorageReader(StorageReader):
         staging_bytes: int = 64 * 2**20,
         broadcast_metadata: bool = True,
         retry: RetryPolicy | Mapping[str, Any] | None = None,
+        record_requests: bool = False,
         **fs_kwargs: Any,
     ) -> None:
         super().__init__()
+        self.record_requests = record_requests
         if coalesce_gap < 0 or num_threads < 1 or staging_bytes < _ALIGN * num_threads:
             raise ValueError(
                 f"need coalesce_gap >= 0, num_threads >= 1 and staging_bytes >= {_ALIGN} per thread; got "
@@ -149,6 +152,7 @@ class HFStorageReader(StorageReader):
         self.stats = ReadStats()
         self.load_id = str(uuid.uuid4())
         self.metadata_error: Exception | None = None
+        self.requests_log: list[tuple[str, int, int]] = []
         self._location: CheckpointLocation | None = None
 
     @property
@@ -241,11 +245,8 @@ class HFStorageReader(StorageReader):
         if self._location is None:
             raise PlanningError("read_metadata() must run before read_data()", file=self.path)
         chunk_budget = self.staging_bytes // self.num_threads
-        chunks: list[_Chunk] = []
-        dests: list[torch.Tensor] = []
-        for index, item in enumerate(plan.items):
-            dests.append(self._resolve(item, planner))
-            chunks.extend(self._chunks(index, item, dests[-1], chunk_budget))
+        dests = [self._resolve(item, planner) for item in plan.items]
+        chunks = self._all_chunks(plan.items, dests)
         remaining: dict[int, int] = defaultdict(int)
         for chunk in chunks:
             remaining[chunk.item] += 1
@@ -276,6 +277,23 @@ class HFStorageReader(StorageReader):
         future: Future[None] = Future()
         future.set_result(None)
         return future
+
+    def plan_requests(self, items: Sequence[ReadItem]) -> list[tuple[str, Request]]:
+        """The ``(file, request)`` pairs ``read_data`` would issue for ``items``, without any I/O.
+
+        The same chunking, batching and coalescing as a real read, so a plan made elsewhere (the
+        CLI's ``plan``) reports exactly the ranges and requests a load will measure.
+        """
+        chunks = self._all_chunks(items, [torch.empty(tuple(i.lengths), device="meta") for i in items])
+        return [
+            (batch[0].entry.file, request)
+            for batch in _batches(chunks, self.staging_bytes // self.num_threads)
+            for request in coalesce(_pieces(batch), self.coalesce_gap)
+        ]
+
+    def _all_chunks(self, items: Sequence[ReadItem], dests: Sequence[torch.Tensor]) -> list[_Chunk]:
+        budget = self.staging_bytes // self.num_threads
+        return [c for index, item in enumerate(items) for c in self._chunks(index, item, dests[index], budget)]
 
     def _resolve(self, item: ReadItem, planner: LoadPlanner) -> torch.Tensor:
         key = item.storage_index.fqn
@@ -333,17 +351,14 @@ class HFStorageReader(StorageReader):
             staging_view[staged_offsets[i] :] if i in staged_offsets else _byte_view(chunk.dest)
             for i, chunk in enumerate(batch)
         ]
-        pieces = []
-        for i, chunk in enumerate(batch):
-            offset = 0
-            for start, end in chunk.ranges:
-                pieces.append(Piece(start, end, i, offset))
-                offset += end - start
+        pieces = _pieces(batch)
         requests = coalesce(pieces, self.coalesce_gap)
         scratch = memoryview(bytearray(max(r.nbytes - sum(p.nbytes for p in r.pieces) for r in requests)))
         with location.open(file) as handle:
             for request in requests:
                 self._read_request(handle, request, _request_views(request, buffers, scratch), batch)
+        if self.record_requests:
+            self.requests_log.extend((file, r.start, r.end) for r in requests)  # list.extend is atomic
         self.stats.add(
             file,
             bytes_read=sum(r.nbytes for r in requests),
@@ -366,6 +381,17 @@ class HFStorageReader(StorageReader):
         except StorageReadError as e:
             keys = ", ".join(dict.fromkeys(batch[p.owner].entry.key for p in request.pieces))
             raise StorageReadError(e.reason, file=e.file, key=keys) from e
+
+
+def _pieces(batch: list[_Chunk]) -> list[Piece]:
+    """The byte ranges of one batch, each owned by its chunk at its offset in the chunk's buffer."""
+    pieces = []
+    for i, chunk in enumerate(batch):
+        offset = 0
+        for start, end in chunk.ranges:
+            pieces.append(Piece(start, end, i, offset))
+            offset += end - start
+    return pieces
 
 
 def _batches(chunks: list[_Chunk], budget: int) -> list[list[_Chunk]]:
