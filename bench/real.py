@@ -129,8 +129,8 @@ def run_real(cache_dir: Path, *, world: int = 3, timeout: float = 900, log=print
         message = f"real-checkpoint row skipped: missing {', '.join(missing)}; install with: {INSTALL}"
         log(message)
         return {"skipped": message}
-    from bench.ranks import run_ranks
     from bench.workloads import warm_page_cache
+    from hp_dcp_hf.launch import run_ranks
 
     path = ensure_checkpoint(cache_dir, log)
     ids, expected = reference_logits(path)

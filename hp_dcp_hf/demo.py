@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import sys
 import time
 from pathlib import Path
@@ -202,12 +201,6 @@ def draw_reads(path: Path, title: str, files: dict[str, int], tensors: dict[str,
 # -- driver ------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _launch(world: int, args: tuple, debug: bool) -> None:
     import torch.multiprocessing as mp
 
@@ -266,7 +259,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"layout       {line}")
 
     start = time.perf_counter()
-    _launch(world, (_free_port(), str(ckpt), args.mesh, transforms, not args.no_reference, str(out)),
+    from hp_dcp_hf.launch import free_port
+
+    _launch(world, (free_port(), str(ckpt), args.mesh, transforms, not args.no_reference, str(out)),
             getattr(args, "debug", False))
     ranks_s = time.perf_counter() - start
     results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]

@@ -33,11 +33,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 from hp_dcp_hf import load_hf_checkpoint
 from hp_dcp_hf.api import unwrap_checkpoint_exception
 from hp_dcp_hf.errors import StorageReadError
+from hp_dcp_hf.launch import run_ranks
 from hp_dcp_hf.storage import HFStorageReader
 from hp_dcp_hf.storage.catalog import INDEX_FILE, Catalog, scan
 from hp_dcp_hf.storage.location import CheckpointLocation, FileVersion, filesystem, locate
 from hp_dcp_hf.storage.stats import ReadStats
-from tests.dist.harness import run_ranks
 from tests.servers.fake_hub import FakeHub
 from tests.servers.range_server import Error, RangeServer, Resource
 from tests.servers.s3 import MotoS3

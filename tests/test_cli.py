@@ -1,7 +1,7 @@
 """The ``hp-dcp-hf`` command line: ``inspect``, ``plan`` (text and ``--json``), errors, ``load``.
 
 ``plan`` computes every rank's reads in one process without a process group; here its numbers are
-checked against a real 4-rank load (``tests.dist.harness.run_ranks``) of the same layout, rank by
+checked against a real 4-rank load (``hp_dcp_hf.launch.run_ranks``) of the same layout, rank by
 rank: bytes needed, bytes read, ranges, requests and the byte ranges themselves.
 """
 
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from hp_dcp_hf.cli import main, plan_ranks
-from tests.dist.harness import run_ranks
+from hp_dcp_hf.launch import run_ranks
 from tests.models import MODEL_TYPES, checkpoint_files, checkpoint_keys
 
 REPO = Path(__file__).resolve().parent.parent

@@ -10,7 +10,7 @@ import torch
 
 from hp_dcp_hf import load_hf_checkpoint
 from hp_dcp_hf.errors import MappingError, MissingKeysError, StorageReadError
-from tests.dist.harness import run_ranks
+from hp_dcp_hf.launch import run_ranks
 from tests.dist.layouts import apply_layout
 from tests.models import model_class, tiny_config
 

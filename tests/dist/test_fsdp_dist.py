@@ -7,7 +7,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from hp_dcp_hf import load_hf_checkpoint
-from tests.dist.harness import run_ranks
+from hp_dcp_hf.launch import run_ranks
 from tests.models import load_reference, model_class, tiny_config
 
 

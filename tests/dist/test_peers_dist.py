@@ -22,7 +22,7 @@ from transformers.core_model_loading import convert_and_load_state_dict_in_model
 from transformers.modeling_utils import LoadStateDictConfig
 
 from hp_dcp_hf import HFStorageReader, load_hf_checkpoint
-from tests.dist.harness import run_ranks
+from hp_dcp_hf.launch import run_ranks
 from tests.dist.layouts import apply_layout
 from tests.models import checkpoint_files, load_reference, model_class, tiny_config
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.dist.harness import run_ranks
+from hp_dcp_hf.launch import run_ranks
 from tests.models import MODEL_TYPES, load_reference, model_class
 
 IDS = torch.arange(14).reshape(2, 7) * 7 % 101

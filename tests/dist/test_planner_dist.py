@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hp_dcp_hf import HFMappingPlanner, HFStorageReader, load_hf_checkpoint
-from tests.dist.harness import run_ranks
+from hp_dcp_hf.launch import run_ranks
 from tests.dist.layouts import LAYOUTS_1D, LAYOUTS_2D, apply_layout
 from tests.models import MODEL_TYPES, load_reference, model_class, tiny_config
 

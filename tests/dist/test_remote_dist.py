@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from hp_dcp_hf import HFMappingPlanner, HFStorageReader, load_hf_checkpoint
 from hp_dcp_hf.errors import StorageReadError
-from tests.dist.harness import run_ranks
+from hp_dcp_hf.launch import run_ranks
 from tests.dist.layouts import apply_layout
 from tests.models import model_class, tiny_config
 from tests.servers.fake_hub import FakeHub

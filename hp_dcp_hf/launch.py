@@ -1,24 +1,25 @@
-"""Run a function on N gloo ranks in spawned processes and collect what each returns.
+"""Run one function on N gloo ranks in spawned processes and collect what each returns.
 
-Usage from a test module (``fn`` must be a module-level function of an importable module, since
-spawned processes import it by name; tests are importable as ``tests.dist.<module>``):
+For tests, benchmarks and one-machine demos: each rank sets up the default process group over TCP
+on 127.0.0.1 and runs ``fn(rank, world_size, *args)``; ``fn`` must be a module-level function of
+an importable module, since spawned processes import it by name:
 
     def _check(rank: int, world_size: int, path: str) -> int:
         ...                                  # the default process group is up (gloo, CPU)
         return something_picklable
 
-    def test_it(tmp_path):
-        results = run_ranks(2, _check, str(tmp_path))   # [rank 0's return, rank 1's return]
+    results = run_ranks(2, _check, path)     # [rank 0's return, rank 1's return]
 
 A rank that raises makes ``run_ranks`` raise that exception (when it unpickles; ``RankFailed``
-otherwise) with the rank and its traceback text attached as a note. When several ranks fail, the
-earliest failure is raised: the others are usually peers losing their connection to it. A rank
-that has not answered after ``timeout`` seconds fails the call with ``TimeoutError``, one that dies
-without answering with ``RankFailed``. Every process is ended before ``run_ranks`` returns.
+otherwise) with the rank's traceback attached; a rank that has not answered after ``timeout``
+seconds fails the call with ``TimeoutError``, one that dies without answering with ``RankFailed``.
+Return values travel pickled by value (a tensor sent through torch's queue would be shared memory
+that dies with its process). Every process is ended before ``run_ranks`` returns.
 """
 
 from __future__ import annotations
 
+import os
 import pickle
 import queue
 import socket
@@ -40,7 +41,7 @@ class RankFailed(RuntimeError):
     """A rank raised an exception that could not be sent back as itself."""
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -49,7 +50,7 @@ def _free_port() -> int:
 def _worker(
     rank: int, world_size: int, port: int, timeout: float, fn: Callable, args: tuple, results: Any
 ) -> None:
-    torch.set_num_threads(1)  # N ranks share few cores: no intra-op oversubscription
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))  # ranks share the cores
     ok = False
     try:
         dist.init_process_group(
@@ -79,7 +80,7 @@ def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout: floa
     """``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; the list of their return values."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [
         ctx.Process(target=_worker, args=(rank, world_size, port, timeout, fn, args, results), daemon=True)
         for rank in range(world_size)
