@@ -92,9 +92,6 @@ def ensure_checkpoint(cache_dir: Path, regenerate: bool = False) -> tuple[Path, 
 # -- ranks -------------------------------------------------------------------------------------
 
 
-def _local(tensor):
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
-
 
 def _rank_main(rank: int, world: int, port: int, ckpt: str, mesh_spec: str, transforms: list[str],
                reference: bool, out_dir: str) -> None:
@@ -104,6 +101,7 @@ def _rank_main(rank: int, world: int, port: int, ckpt: str, mesh_spec: str, tran
     import torch.distributed as dist
 
     from hp_dcp_hf.cli import RecordingReader, progress_planner
+    from hp_dcp_hf.layout import local_tensor
     from hp_dcp_hf.pipeline import FsdpTp, from_pretrained, init_mesh
 
     torch.set_num_threads(1)
@@ -135,7 +133,7 @@ def _rank_main(rank: int, world: int, port: int, ckpt: str, mesh_spec: str, tran
             }
         state = models["dcp"].state_dict()
         legacy_state = models["legacy"].state_dict()
-        mismatched = sorted(k for k, v in state.items() if not torch.equal(_local(v), _local(legacy_state[k])))
+        mismatched = sorted(k for k, v in state.items() if not torch.equal(local_tensor(v), local_tensor(legacy_state[k])))
         ids = torch.randint(DEMO_CONFIG["vocab_size"], (2, 32), generator=torch.Generator().manual_seed(0))
         with torch.no_grad():
             logits = models["dcp"](input_ids=ids).logits

@@ -74,6 +74,11 @@ def shard_pieces(
     return _pieces(_dim_runs(global_shape, mesh_shape, coordinate, steps))
 
 
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The data this rank holds: a DTensor's local shard (a view of it), a plain tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 def local_shape(
     global_shape: Sequence[int], mesh_shape: Sequence[int], coordinate: Sequence[int], placements: Sequence[Placement]
 ) -> tuple[int, ...]:

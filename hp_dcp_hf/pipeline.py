@@ -42,6 +42,7 @@ from torch.distributed.tensor import DTensor
 
 from hp_dcp_hf.api import Loader, load_hf_checkpoint
 from hp_dcp_hf.errors import CheckpointFormatError, CheckpointNotFoundError, HPDCPHFError, PlanningError
+from hp_dcp_hf.layout import local_tensor
 from hp_dcp_hf.planner import HFMappingPlanner, LoadReport, PlanStats
 from hp_dcp_hf.storage import HFStorageReader, filesystem, locate
 from hp_dcp_hf.storage.header import MAX_HEADER_BYTES
@@ -365,9 +366,6 @@ def retie(model: nn.Module) -> bool:
     return broken
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
 
 def _init_seed(seed: int | None) -> int:
     """``seed``, or one drawn from the global RNG (the same on every rank seeded alike)."""
@@ -384,7 +382,7 @@ def _swap_in_full(model: nn.Module, sharded: Mapping[int, torch.Tensor]) -> list
             if param is None or id(param) not in sharded:
                 continue
             if id(param) not in full:
-                value = torch.full(param.shape, float("nan"), dtype=param.dtype, device=_local(param).device)
+                value = torch.full(param.shape, float("nan"), dtype=param.dtype, device=local_tensor(param).device)
                 full[id(param)] = nn.Parameter(value, requires_grad=param.requires_grad)
                 full[id(param)]._is_hf_initialized = False
             swapped.append((module, name, param))
@@ -421,7 +419,7 @@ def finalize(model: nn.Module, report: LoadReport, *, seed: int | None = None) -
             tensor._is_hf_initialized = False
             pending.append((tensor, names))
             if tensor.is_floating_point():
-                _local(tensor).fill_(float("nan"))
+                local_tensor(tensor).fill_(float("nan"))
     if not pending:
         return ()
     for module in model.modules():
@@ -450,7 +448,7 @@ def finalize(model: nn.Module, report: LoadReport, *, seed: int | None = None) -
         for piece in local_shard_pieces(original):
             local[piece.local_box().slices()].copy_(values[key][piece.global_box.slices()])
     untouched = sorted(names[0] for tensor, names in pending
-                       if tensor.is_floating_point() and bool(torch.isnan(_local(tensor)).any()))
+                       if tensor.is_floating_point() and bool(torch.isnan(local_tensor(tensor)).any()))
     if untouched:
         raise PlanningError(f"neither the checkpoint nor the model's own init fills {untouched}")
     for tensor, _ in pending:

@@ -20,11 +20,10 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
-from torch.distributed.tensor import DTensor
 from transformers.core_model_loading import WeightTransform, dot_natural_key
 
 from hp_dcp_hf.errors import MappingError, MissingKeysError, PlanningError
-from hp_dcp_hf.layout import ShardPiece, local_shard_pieces
+from hp_dcp_hf.layout import ShardPiece, local_shard_pieces, local_tensor
 from hp_dcp_hf.mapping.blocks import ReadBlock, read_blocks
 from hp_dcp_hf.mapping.compose import Composition, Opaque, TensorSpec
 from hp_dcp_hf.mapping.stages import model_stages, recorded_source_shapes
@@ -69,9 +68,6 @@ class _Destination:
     def view(self) -> torch.Tensor:
         return self.tensor.as_strided(self.sizes, self.strides, self.offset)
 
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _castable(source: torch.dtype, target: torch.dtype) -> bool:
@@ -283,7 +279,7 @@ class HFMappingPlanner(LoadPlanner):
                     stats.deferred_bytes += nbytes
                     stats.bytes_by_key[key] = stats.bytes_by_key.get(key, 0) + nbytes
                 continue
-            local = _local(tensor)
+            local = local_tensor(tensor)
             for piece in pieces:
                 for block in read_blocks(traced, piece.global_box, piece.local_offsets, source_ndim):
                     item = self._item(target, block.origin, block.key, block.source_box.offsets,
@@ -326,7 +322,7 @@ class HFMappingPlanner(LoadPlanner):
         assert self.composition is not None
         value = self.composition.evaluate([target], self._staging.__getitem__)[target]
         tensor, pieces, _ = self._deferred[target]
-        local = _local(tensor)
+        local = local_tensor(tensor)
         with torch.no_grad():
             for piece in pieces:
                 dest = local[tuple(slice(o, o + s) for o, s in zip(piece.local_offsets, piece.global_box.sizes))]

@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hp_dcp_hf.launch import run_ranks
+from hp_dcp_hf.layout import local_tensor
 from tests.models import MODEL_TYPES, load_reference, model_class
 
 IDS = torch.arange(14).reshape(2, 7) * 7 % 101
@@ -34,9 +35,6 @@ CASES = {  # name -> (checkpoint, model type, transforms)
     "mixtral-rewritten": ("mixtral", "mixtral", ("fuse_qkv", "grouped_gemm_experts")),
 }
 
-
-def _local(t):
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _run(rank: int, world: int, paths: dict[str, str]) -> dict:
@@ -78,8 +76,8 @@ def _run(rank: int, world: int, paths: dict[str, str]) -> dict:
     state = model.state_dict()
     dropped = {k: state[k].full_tensor() for k in DROPPED}
     kept = {k: v.full_tensor() for k, v in state.items() if k not in report.missing_keys and isinstance(v, DTensor)}
-    embed_local = _local(state["model.embed_tokens.weight"]).clone()
-    down_local_finite = bool(_local(state[DROPPED[1]]).isfinite().all())
+    embed_local = local_tensor(state["model.embed_tokens.weight"]).clone()
+    down_local_finite = bool(local_tensor(state[DROPPED[1]]).isfinite().all())
     with torch.no_grad():
         logits = model(input_ids=IDS).logits
     out["missing"] = {

@@ -13,6 +13,7 @@ import torch
 
 from hp_dcp_hf import HFMappingPlanner, HFStorageReader, load_hf_checkpoint
 from hp_dcp_hf.launch import run_ranks
+from hp_dcp_hf.layout import local_tensor
 from tests.dist.layouts import LAYOUTS_1D, LAYOUTS_2D, apply_layout
 from tests.models import MODEL_TYPES, load_reference, model_class, tiny_config
 
@@ -35,7 +36,7 @@ def _load_one(world: int, path: str, model_type: str, layout: str, loader: str, 
     reference = load_reference(path, model_type, model_dtype)
     state = model.state_dict()
     bad = sorted(k for k, v in state.items() if not torch.equal(v.full_tensor() if hasattr(v, "full_tensor") else v, reference[k]))
-    own = sum(_local(state[k]).numel() * _source_itemsize(planner, reader, k) for k in planner.filled)
+    own = sum(local_tensor(state[k]).numel() * _source_itemsize(planner, reader, k) for k in planner.filled)
     return {
         "bad": bad,
         "missing": report.missing_keys,
@@ -52,9 +53,6 @@ def _source_itemsize(planner, reader, target: str) -> int:
     (itemsize,) = {reader.entries[key].itemsize for key in planner.composition.source_keys(target)}
     return itemsize
 
-
-def _local(tensor):
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 def _run_cases(rank: int, world: int, cases: list) -> dict:
