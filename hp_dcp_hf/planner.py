@@ -27,6 +27,7 @@ from hp_dcp_hf.layout import ShardPiece, local_shard_pieces, local_tensor
 from hp_dcp_hf.mapping.blocks import ReadBlock, read_blocks
 from hp_dcp_hf.mapping.compose import Composition, Opaque, TensorSpec
 from hp_dcp_hf.mapping.stages import model_stages, recorded_source_shapes
+from hp_dcp_hf.perf import paused_gc
 
 logger = logging.getLogger(__name__)
 
@@ -137,8 +138,8 @@ class HFMappingPlanner(LoadPlanner):
         self.is_coordinator = is_coordinator
 
     def create_local_plan(self) -> LoadPlan:
-        items = self.plan_reads(self.state_dict, self.metadata)
-        return LoadPlan(items)
+        with paused_gc():
+            return LoadPlan(self.plan_reads(self.state_dict, self.metadata))
 
     def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
         return global_plan

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 
 import numpy as np
 
@@ -86,6 +87,9 @@ class Request:
         return self.end - self.start
 
 
+_by_position = attrgetter("start", "end")
+
+
 def coalesce(pieces: Iterable[Piece], gap: int = 0) -> list[Request]:
     """Pieces merged into requests, in file order.
 
@@ -97,7 +101,12 @@ def coalesce(pieces: Iterable[Piece], gap: int = 0) -> list[Request]:
         raise ValueError(f"coalescing gap must be >= 0, got {gap}")
     requests: list[Request] = []
     current: list[Piece] = []
-    for piece in sorted(pieces, key=lambda p: (p.start, p.end)):
+    pieces = list(pieces)
+    # Usually in file order already; sorting anyway would allocate a key per piece, which on a
+    # layout with one range per row is enough garbage to set off full collections.
+    if any(_by_position(b) < _by_position(a) for a, b in zip(pieces, pieces[1:])):
+        pieces.sort(key=_by_position)
+    for piece in pieces:
         if current and not 0 <= piece.start - current[-1].end <= gap:
             requests.append(Request(current[0].start, current[-1].end, tuple(current)))
             current = []

@@ -36,6 +36,7 @@ from torch.futures import Future
 
 from hp_dcp_hf.box import Box
 from hp_dcp_hf.errors import HPDCPHFError, PlanningError, StorageReadError
+from hp_dcp_hf.perf import paused_gc
 from hp_dcp_hf.storage.broadcast import share_from_rank0, should_broadcast
 from hp_dcp_hf.storage.catalog import Catalog, find_files, scan
 from hp_dcp_hf.storage.header import TensorEntry
@@ -242,6 +243,10 @@ class HFStorageReader(StorageReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Read every item of ``plan`` into ``planner.resolve_tensor(item)``, then commit it."""
+        with paused_gc():
+            return self._read_data(plan, planner)
+
+    def _read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         if self._location is None:
             raise PlanningError("read_metadata() must run before read_data()", file=self.path)
         chunk_budget = self.staging_bytes // self.num_threads
