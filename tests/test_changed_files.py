@@ -199,11 +199,11 @@ def test_local_handle_checks_when_it_closes(tmp_path: Path) -> None:
     root = _write(tmp_path / "ckpt")
     location, _ = locate(*filesystem(str(root)))
     size = location.size(CHANGED)  # records the version; later handles check against it
-    with pytest.raises(StorageReadError, match=rf"changed since its header was read \(size {size} -> {size - 24}\)"):
-        with location.open(CHANGED) as handle:
-            assert len(handle.read(0, 8)) == 8
-            _truncate(root / CHANGED)
-            handle.read(size - 100, size - 90)  # still inside the file: preadv alone would not notice
+    changed = rf"changed since its header was read \(size {size} -> {size - 24}\)"
+    with pytest.raises(StorageReadError, match=changed), location.open(CHANGED) as handle:
+        assert len(handle.read(0, 8)) == 8
+        _truncate(root / CHANGED)
+        handle.read(size - 100, size - 90)  # still inside the file: preadv alone would not notice
     with location.open(CHANGED) as handle, pytest.raises(StorageReadError, match="changed since"):
         handle.read(0, 8)  # a new handle refuses before reading
 
