@@ -131,6 +131,7 @@ class HFStorageReader(StorageReader):
     ) -> None:
         super().__init__()
         self.record_requests = record_requests
+        self._thread_local = threading.local()
         if coalesce_gap < 0 or num_threads < 1 or staging_bytes < _ALIGN * num_threads:
             raise ValueError(
                 f"need coalesce_gap >= 0, num_threads >= 1 and staging_bytes >= {_ALIGN} per thread; got "
@@ -350,7 +351,7 @@ class HFStorageReader(StorageReader):
             if not chunk.direct:
                 staged_offsets[i] = size
                 size += -(-chunk.nbytes // _ALIGN) * _ALIGN
-        staging = torch.empty(size, dtype=torch.uint8)
+        staging = self._staging(size)
         staging_view = memoryview(staging.numpy())
         buffers = [
             staging_view[staged_offsets[i] :] if i in staged_offsets else _byte_view(chunk.dest)
@@ -376,6 +377,16 @@ class HFStorageReader(StorageReader):
             source = staging[offset : offset + chunk.nbytes].view(chunk.entry.dtype).view(chunk.box.sizes)
             chunk.dest.copy_(source)
         finish(batch)
+
+    def _staging(self, size: int) -> torch.Tensor:
+        """This worker thread's staging bytes, allocated once per ``read_data`` and reused by every
+        batch: a fresh buffer per batch leaves freed blocks in each thread's malloc arena, and
+        resident memory grows with the bytes read instead of staying within ``staging_bytes``."""
+        buffer = getattr(self._thread_local, "staging", None)
+        if buffer is None or buffer.numel() < size:
+            buffer = torch.empty(max(size, self.staging_bytes // self.num_threads), dtype=torch.uint8)
+            self._thread_local.staging = buffer
+        return buffer[:size]
 
     @staticmethod
     def _read_request(
