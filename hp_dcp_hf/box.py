@@ -8,7 +8,7 @@ no torch.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -63,9 +63,6 @@ class Box:
         """The same box in coordinates whose zero is ``origin``."""
         return Box(tuple(o - z for o, z in zip(self.offsets, origin)), self.sizes)
 
-    def shifted(self, delta: Sequence[int]) -> Box:
-        return Box(tuple(o + d for o, d in zip(self.offsets, delta)), self.sizes)
-
     def slices(self) -> tuple[slice, ...]:
         return tuple(slice(o, o + s) for o, s in zip(self.offsets, self.sizes))
 
@@ -78,15 +75,3 @@ def disjoint_cover(boxes: Sequence[Box], shape: Sequence[int]) -> bool:
     if sum(b.numel for b in boxes) != full.numel:
         return False
     return all(a.intersect(b) is None for i, a in enumerate(boxes) for b in boxes[i + 1 :])
-
-
-def iter_rows(box: Box, leading: int) -> Iterator[tuple[int, ...]]:
-    """Every index of the first ``leading`` dims of ``box``, in row-major order."""
-    if leading == 0:
-        yield ()
-        return
-    head = range(box.offsets[0], box.offsets[0] + box.sizes[0])
-    rest = Box(box.offsets[1:], box.sizes[1:])
-    for i in head:
-        for tail in iter_rows(rest, leading - 1):
-            yield (i, *tail)
