@@ -61,7 +61,8 @@ def _transforms(spec: str | None) -> tuple[str, ...]:
 
 
 def _reader_options(args: argparse.Namespace) -> dict[str, Any]:
-    return {"coalesce_gap": args.coalesce_gap, "num_threads": args.threads, "staging_bytes": args.staging_mib * 2**20}
+    return {"coalesce_gap": args.coalesce_gap, "num_threads": args.threads, "staging_bytes": args.staging_mib * 2**20,
+            "map_local_files": not args.no_map}
 
 
 # -- inspect -----------------------------------------------------------------------------------
@@ -456,7 +457,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--transforms", default="", help="comma-separated rewrites: fuse_qkv,fuse_gate_up,...")
         p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
         p.add_argument("--no-strict", action="store_true", help="missing model tensors are not an error")
-        p.add_argument("--coalesce-gap", type=int, default=0, help="reader: merge ranges at most this far apart")
+        p.add_argument("--coalesce-gap", type=int, default=0,
+                       help="reader: merge ranges at most this far apart (remote files, or with --no-map)")
+        p.add_argument("--no-map", action="store_true",
+                       help="reader: read local files with preadv instead of copying out of a memory mapping")
         p.add_argument("--threads", type=int, default=8, help="reader: reads in flight")
         p.add_argument("--staging-mib", type=int, default=64, help="reader: staging budget in MiB")
         p.add_argument("--json", action="store_true")

@@ -23,11 +23,13 @@ from tests.models import MODEL_TYPES, checkpoint_files, checkpoint_keys
 REPO = Path(__file__).resolve().parent.parent
 MESH = "tp=2,dp=2"
 
-# Layouts checked against real loads: (checkpoint, transforms, coalesce gap).
+# Layouts checked against real loads: (checkpoint, transforms, reader options).
 CASES = {
-    "llama": ("llama", (), 0),
-    "llama-gap": ("llama", (), 64),  # coalescing: fewer requests than ranges, gap bytes read
-    "mixtral-rewritten": ("mixtral", ("fuse_qkv", "grouped_gemm_experts"), 0),
+    "llama": ("llama", (), {}),
+    "llama-preadv": ("llama", (), {"map_local_files": False}),
+    # coalescing (preadv only: a mapping copies needed bytes alone): fewer requests than ranges, gap bytes read
+    "llama-gap": ("llama", (), {"coalesce_gap": 64, "map_local_files": False}),
+    "mixtral-rewritten": ("mixtral", ("fuse_qkv", "grouped_gemm_experts"), {}),
 }
 
 
@@ -202,8 +204,8 @@ def _real_load(rank: int, world: int, cases: dict) -> dict:
     from hp_dcp_hf.pipeline import FsdpTp, from_pretrained, init_mesh
 
     out = {}
-    for name, (path, transforms, gap) in cases.items():
-        reader = RecordingReader(path, coalesce_gap=gap)
+    for name, (path, transforms, options) in cases.items():
+        reader = RecordingReader(path, **options)
         _, report = from_pretrained(path, transforms=transforms, parallelize=FsdpTp(init_mesh(MESH)), reader=reader)
         stats = reader.stats.total()
         out[name] = {"bytes_needed": report.plan.bytes_needed, "bytes_to_read": stats.bytes_read,
@@ -214,10 +216,10 @@ def _real_load(rank: int, world: int, cases: dict) -> dict:
 
 def test_plan_bytes_equal_a_real_load(llama, mixtral):
     paths = {"llama": str(llama.path), "mixtral": str(mixtral.path)}
-    cases = {name: (paths[ckpt], transforms, gap) for name, (ckpt, transforms, gap) in CASES.items()}
+    cases = {name: (paths[ckpt], transforms, options) for name, (ckpt, transforms, options) in CASES.items()}
     measured = run_ranks(4, _real_load, cases, timeout=300)
-    for name, (path, transforms, gap) in cases.items():
-        plan = plan_ranks(path, MESH, transforms=transforms, coalesce_gap=gap)
+    for name, (path, transforms, options) in cases.items():
+        plan = plan_ranks(path, MESH, transforms=transforms, **options)
         for rank, (planned, real) in enumerate(zip(plan["ranks"], measured)):
             got = real[name]
             assert planned.bytes_needed == got["bytes_needed"] == got["needed_by_reader"], (name, rank)
@@ -229,6 +231,9 @@ def test_plan_bytes_equal_a_real_load(llama, mixtral):
     gap_plan = measured[0]["llama-gap"]
     assert gap_plan["requests"] < gap_plan["ranges"]
     assert gap_plan["bytes_to_read"] > gap_plan["bytes_needed"]
+    # mapped or read by ranges, the same bytes and the same requests
+    for rank in measured:
+        assert rank["llama"] == rank["llama-preadv"]
 
 
 # -- load --------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hp_dcp_hf.box import Box, disjoint_cover
-from hp_dcp_hf.storage.ranges import Piece, box_byte_ranges, coalesce, split_box
+from hp_dcp_hf.storage.ranges import Piece, box_byte_ranges, box_span, coalesce, count_requests, split_box
 
 # Only the itemsize matters to the arithmetic; bool is left out since copies canonicalise its bytes.
 DTYPES = [torch.float32, torch.bfloat16, torch.int64, torch.uint8, torch.float8_e4m3fn]
@@ -51,6 +51,43 @@ def test_ranges_read_exactly_the_slice(case) -> None:
     cut = [d for d in range(len(shape)) if box.sizes[d] < shape[d]]
     expected = 0 if box.is_empty() else math.prod(box.sizes[: cut[-1]]) if cut else 1
     assert len(ranges) == expected
+
+
+@settings(max_examples=150, deadline=None)
+@given(tensor_and_box())
+def test_box_span_summarises_the_ranges(case) -> None:
+    shape, box, dtype = case
+    ranges = box_byte_ranges(shape, dtype.itemsize, box)
+    expected = (ranges[0][0], ranges[-1][1], len(ranges)) if ranges else (0, 0, 0)
+    assert box_span(shape, dtype.itemsize, box) == expected
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(tensor_and_box(), min_size=1, max_size=4), st.integers(0, 3))
+def test_count_requests_matches_coalescing(cases, same_tensor: int) -> None:
+    """Boxes of one tensor (maybe interleaving) or of tensors laid end to end, as in a file."""
+    shape = cases[0][0]
+    itemsize = 2
+    boxes = [box for s, box, _ in cases if s == shape] if same_tensor else [box for _, box, _ in cases]
+    shapes = [shape] * len(boxes) if same_tensor else [s for s, _, _ in cases]
+    starts = [0] * len(boxes) if same_tensor else [sum(math.prod(s) * itemsize for s in shapes[:i]) for i in range(len(shapes))]
+    spans, pieces = [], []
+    for start, s, box in zip(starts, shapes, boxes, strict=True):
+        first, last, count = box_span(s, itemsize, box)
+        spans.append((start + first, start + last, count))
+        pieces += [Piece(start + a, start + b, len(pieces), 0) for a, b in box_byte_ranges(s, itemsize, box)]
+    counted = count_requests(spans)
+    if counted is None:  # only when spans overlap
+        assert any(a[0] < b[1] and b[0] < a[1] for i, a in enumerate(spans) for b in spans[i + 1 :] if a[2] and b[2])
+    else:
+        assert counted == len(coalesce(pieces, 0))
+
+
+def test_count_requests_examples() -> None:
+    assert count_requests([(0, 10, 1), (10, 20, 1), (30, 40, 2)]) == 3  # the first two touch: one request
+    assert count_requests([(30, 40, 2), (0, 10, 1)]) == 3
+    assert count_requests([(0, 0, 0)]) == 0
+    assert count_requests([(0, 40, 4), (5, 35, 3)]) is None  # interleaving rows: coalesce them
 
 
 def test_contiguous_and_row_examples() -> None:

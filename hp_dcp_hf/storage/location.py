@@ -4,7 +4,8 @@ Everything above this module sees a :class:`CheckpointLocation`: a root director
 relative to it, answered by a :class:`Backend`, the one small interface every kind of storage
 implements (``locate``, ``isfile``, ``size``, ``list_files``, ``open``). Callers never branch on
 the backend. Local files get ``os.preadv`` straight into the caller's buffers (no intermediate
-copy); other fsspec filesystems (``s3://``, ``memory://``, ...) get exact ranged ``cat_file``
+copy), or are mapped into memory (:meth:`RangeFile.mapped`) so that a box is one strided copy
+instead of one read per row; other fsspec filesystems (``s3://``, ``memory://``, ...) get exact ranged ``cat_file``
 calls (never ``open()``, whose read-ahead fetches far past the range), retried on transient
 errors; ``http(s)://`` URLs and Hugging Face Hub repos (``hf://``, bare ``org/repo``) have
 backends of their own in :mod:`hp_dcp_hf.storage.remote`.
@@ -23,7 +24,9 @@ version checks every read against it (local: ``os.fstat`` of its descriptor; rem
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
+import mmap
 import os
 import posixpath
 import socket
@@ -117,6 +120,11 @@ class RangeFile:
         """Fill ``buffers`` (writable, C-contiguous) in order from the bytes starting at ``start``."""
         raise NotImplementedError
 
+    def mapped(self) -> memoryview | None:
+        """The whole file's bytes mapped into memory, for backends that can (:attr:`Backend.mappable`);
+        ``None`` for the others. Valid until :meth:`close`."""
+        return None
+
     def close(self) -> None:
         """Release what the handle holds."""
 
@@ -148,19 +156,23 @@ def fill_views(views: list[memoryview], position: tuple[int, int], data: memoryv
 
 
 class _LocalFile(RangeFile):
-    """A local file: one descriptor, ``os.preadv`` scatter reads straight into the caller's buffers.
+    """A local file: one descriptor, ``os.preadv`` scatter reads straight into the caller's buffers,
+    or a private read-only mapping of the whole file (:meth:`mapped`).
 
     With an ``expected`` version, ``os.fstat`` of the descriptor is checked against it before the
-    first read (so a file changed before the load reads nothing) and when the handle closes, before
-    the reader copies or commits anything it read (so one changed while it was read raises instead
-    of leaving mixed bytes unreported); not after every read, which would double the syscalls of a
-    layout that reads one range per row.
+    first read or mapping (so a file changed before the load reads nothing) and when the handle
+    closes, before the reader commits anything it read (so one changed while it was read raises
+    instead of leaving mixed bytes unreported); not after every read, which would double the
+    syscalls of a layout that reads one range per row. A mapped file truncated during the copy is
+    the exception: the kernel answers the access past its end with SIGBUS, as for every reader that
+    maps files.
     """
 
     def __init__(self, file: str, path: str, expected: FileVersion | None = None) -> None:
         super().__init__(file)
         self._expected = expected
         self._checked = False
+        self._map: mmap.mmap | None = None
         try:
             self._fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError as e:
@@ -197,11 +209,26 @@ class _LocalFile(RangeFile):
             if got:
                 views[first] = views[first][got:]
 
+    def mapped(self) -> memoryview:
+        if self._map is None:
+            if not self._checked:
+                self._check_unchanged()
+            try:
+                # ACCESS_COPY: private pages, so the view is writable (torch.frombuffer wants that)
+                # without any write ever reaching the file.
+                self._map = mmap.mmap(self._fd, 0, access=mmap.ACCESS_COPY)
+            except (OSError, ValueError) as e:
+                raise StorageReadError(f"cannot map: {e}", file=self.file) from e
+        return memoryview(self._map)
+
     def close(self) -> None:
         try:
             if self._checked:
                 self._check_unchanged()
         finally:
+            if self._map is not None:
+                with contextlib.suppress(BufferError):  # a view still lives: unmapped when it goes
+                    self._map.close()
             os.close(self._fd)
 
 
@@ -319,6 +346,8 @@ class Backend:
 
     fs: AbstractFileSystem | None = None
     """The fsspec filesystem behind the backend, when there is one."""
+    mappable: bool = False
+    """Handles of this backend map files into memory (:meth:`RangeFile.mapped`)."""
 
     def join(self, root: str, file: str) -> str:
         return posixpath.join(root, file) if root else file
@@ -365,11 +394,12 @@ class Backend:
 
 
 class FsspecBackend(Backend):
-    """Any fsspec filesystem; local files are read with ``preadv``, others with retried ``cat_file``."""
+    """Any fsspec filesystem; local files are read with ``preadv`` or mapped, others with retried
+    ``cat_file``."""
 
     def __init__(self, fs: AbstractFileSystem, retry: RetryPolicy | None = None) -> None:
         self.fs = fs
-        self.local = isinstance(fs, LocalFileSystem)
+        self.local = self.mappable = isinstance(fs, LocalFileSystem)
         if retry is None and not self.local:
             from hp_dcp_hf.storage.remote import RetryPolicy
 

@@ -38,6 +38,36 @@ def box_byte_ranges(shape: Sequence[int], itemsize: int, box: Box) -> list[tuple
     return [(s, s + run) for s in starts.tolist()]
 
 
+def box_span(shape: Sequence[int], itemsize: int, box: Box) -> tuple[int, int, int]:
+    """``(start of the first range, end of the last, number of ranges)`` of :func:`box_byte_ranges`,
+    without listing the ranges (a row-sharded box has one per row); ``(0, 0, 0)`` when empty."""
+    if len(shape) != box.ndim or not Box.full(shape).contains(box):
+        raise ValueError(f"box {box} is not inside a tensor of shape {tuple(shape)}")
+    if box.is_empty():
+        return 0, 0, 0
+    cut = [d for d in range(box.ndim) if box.sizes[d] < shape[d]]
+    if not cut:
+        return 0, math.prod(shape) * itemsize, 1
+    last = cut[-1]
+    strides = [math.prod(shape[d + 1 :]) * itemsize for d in range(len(shape))]
+    first = sum(box.offsets[d] * strides[d] for d in range(last + 1))
+    final = sum((box.ends[d] - 1) * strides[d] for d in range(last)) + box.offsets[last] * strides[last]
+    return first, final + box.sizes[last] * strides[last], math.prod(box.sizes[:last])
+
+
+def count_requests(spans: Iterable[tuple[int, int, int]]) -> int | None:
+    """How many requests :func:`coalesce` with gap 0 makes of boxes' ranges, from their
+    :func:`box_span` alone; ``None`` when two spans overlap (their ranges may interleave: coalesce
+    them). A box's own ranges never touch, so only neighbouring boxes can merge, end to start."""
+    ordered = sorted(s for s in spans if s[2])
+    requests = sum(s[2] for s in ordered)
+    for (_, end, _), (start, _, _) in zip(ordered, ordered[1:]):
+        if start < end:
+            return None
+        requests -= start == end
+    return requests
+
+
 def split_box(box: Box, itemsize: int, max_bytes: int) -> list[Box]:
     """``box`` cut along its outer dims into row-major sub-boxes of at most ``max_bytes`` each.
 

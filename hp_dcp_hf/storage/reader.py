@@ -3,11 +3,12 @@ checkpoint each rank's plan needs.
 
 Metadata: rank 0 reads the index and every header (ranged reads) and broadcasts them as JSON; the
 DCP metadata has one whole-tensor chunk per checkpoint key, so any planner's read items are boxes
-of checkpoint tensors. Data: each item's box becomes byte ranges, ranges are cut to the staging
-budget, packed into per-file batches, coalesced into requests and read by a thread pool. When the
-destination is a contiguous CPU tensor of the checkpoint dtype, the bytes land in it directly
-(``os.preadv`` on local files); otherwise they go through a staging buffer and ``copy_`` (which
-casts and writes through non-contiguous views).
+of checkpoint tensors. Data: items are cut to the staging budget and packed into per-file batches
+that a thread pool reads. Local files are mapped into memory and each box is one strided
+``copy_`` out of the mapping (a row-sharded box would otherwise be one read per row). Other
+backends read byte ranges, coalesced into requests: when the destination is a contiguous CPU
+tensor of the checkpoint dtype, the bytes land in it directly; otherwise they go through a staging
+buffer and ``copy_`` (which casts and writes through non-contiguous views).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -41,7 +43,15 @@ from hp_dcp_hf.storage.broadcast import share_from_rank0, should_broadcast
 from hp_dcp_hf.storage.catalog import Catalog, find_files, scan
 from hp_dcp_hf.storage.header import TensorEntry
 from hp_dcp_hf.storage.location import CheckpointLocation, RangeFile, filesystem, locate
-from hp_dcp_hf.storage.ranges import Piece, Request, box_byte_ranges, coalesce, split_box
+from hp_dcp_hf.storage.ranges import (
+    Piece,
+    Request,
+    box_byte_ranges,
+    box_span,
+    coalesce,
+    count_requests,
+    split_box,
+)
 from hp_dcp_hf.storage.remote import RetryPolicy
 from hp_dcp_hf.storage.stats import ReadStats
 
@@ -57,11 +67,27 @@ class _Chunk:
     entry: TensorEntry
     box: Box
     dest: torch.Tensor
-    ranges: tuple[tuple[int, int], ...]
 
     @property
     def nbytes(self) -> int:
         return self.box.numel * self.entry.itemsize
+
+    @cached_property
+    def ranges(self) -> list[tuple[int, int]]:
+        """Absolute ``[start, end)`` byte ranges of the box, in file order (one per row, or fewer)."""
+        start = self.entry.data_start
+        return [(start + s, start + e) for s, e in box_byte_ranges(self.entry.shape, self.entry.itemsize, self.box)]
+
+    @cached_property
+    def span(self) -> tuple[int, int, int]:
+        """Absolute start of the first range, end of the last, and how many ranges, without listing them."""
+        first, last, count = box_span(self.entry.shape, self.entry.itemsize, self.box)
+        return self.entry.data_start + first, self.entry.data_start + last, count
+
+    @property
+    def mappable(self) -> bool:
+        """The tensor's bytes can be viewed as its dtype in place (its start is aligned to it)."""
+        return self.entry.data_start % self.entry.itemsize == 0
 
     @property
     def direct(self) -> bool:
@@ -104,6 +130,10 @@ class HFStorageReader(StorageReader):
     which ``dcp.load`` does). ``retry``: the :class:`~hp_dcp_hf.storage.remote.RetryPolicy` of
     remote reads, or a dict of its fields. ``record_requests``: keep every request issued in
     ``requests_log`` as ``(file, start, end)`` (for pictures of a plan; off by default).
+    ``map_local_files``: copy boxes out of a memory mapping of local files (the fast path, and
+    ``coalesce_gap`` does not apply: only needed bytes are copied); ``False`` reads them with
+    ``os.preadv`` instead, which is slower on row-sharded layouts but turns a disk error or a file
+    truncated during the read into :class:`StorageReadError` where a mapping gets SIGBUS.
 
     Remote paths: ``s3://bucket/prefix`` (and other fsspec URLs), ``http(s)://`` directories that
     serve ``model.safetensors.index.json`` (or one ``.safetensors`` file), ``hf://org/repo[@rev]
@@ -127,10 +157,12 @@ class HFStorageReader(StorageReader):
         broadcast_metadata: bool = True,
         retry: RetryPolicy | Mapping[str, Any] | None = None,
         record_requests: bool = False,
+        map_local_files: bool = True,
         **fs_kwargs: Any,
     ) -> None:
         super().__init__()
         self.record_requests = record_requests
+        self.map_local_files = map_local_files
         self._thread_local = threading.local()
         if coalesce_gap < 0 or num_threads < 1 or staging_bytes < _ALIGN * num_threads:
             raise ValueError(
@@ -166,6 +198,16 @@ class HFStorageReader(StorageReader):
         """The directory files are read from, as located by ``read_metadata`` (a Hub root names its
         commit); ``None`` before."""
         return self._location.root if self._location is not None else None
+
+    @property
+    def _maps(self) -> bool:
+        """Data is copied out of mappings of the files rather than read by ranges."""
+        return self.map_local_files and self._location is not None and self._location.backend.mappable
+
+    @property
+    def _gap(self) -> int:
+        """The coalescing gap requests are made with (none when mapping: gaps would cost a copy)."""
+        return 0 if self._maps else self.coalesce_gap
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
@@ -294,7 +336,7 @@ class HFStorageReader(StorageReader):
         return [
             (batch[0].entry.file, request)
             for batch in _batches(chunks, self.staging_bytes // self.num_threads)
-            for request in coalesce(_pieces(batch), self.coalesce_gap)
+            for request in coalesce(_pieces(batch), self._gap)
         ]
 
     def _all_chunks(self, items: Sequence[ReadItem], dests: Sequence[torch.Tensor]) -> list[_Chunk]:
@@ -326,25 +368,55 @@ class HFStorageReader(StorageReader):
             )
         if box.is_empty():
             return []
-        chunks = []
-        for part in split_box(box, entry.itemsize, budget):
-            ranges = box_byte_ranges(entry.shape, entry.itemsize, part)
-            chunks.append(
-                _Chunk(
-                    item=index,
-                    entry=entry,
-                    box=part,
-                    dest=dest[part.relative_to(box.offsets).slices()],
-                    ranges=tuple((entry.data_start + s, entry.data_start + e) for s, e in ranges),
-                )
-            )
-        return chunks
+        return [
+            _Chunk(item=index, entry=entry, box=part, dest=dest[part.relative_to(box.offsets).slices()])
+            for part in split_box(box, entry.itemsize, budget)
+        ]
 
     def _read_batch(
         self, location: CheckpointLocation, batch: list[_Chunk], finish: Callable[[list[_Chunk]], None]
     ) -> None:
-        """Read one batch (one file, at most the per-thread budget), copy staged chunks, commit."""
+        """Read one batch (one file, at most the per-thread budget) into its destinations, commit."""
         file = batch[0].entry.file
+        staged: list[tuple[_Chunk, torch.Tensor]] = []
+        try:
+            with location.open(file) as handle:  # closing checks the file is unchanged
+                if self._maps and all(chunk.mappable for chunk in batch):
+                    self._copy_mapped(handle, batch)
+                else:
+                    staged = self._read_ranges(handle, batch)
+        except StorageReadError as e:
+            if e.key is not None:
+                raise
+            keys = ", ".join(dict.fromkeys(chunk.entry.key for chunk in batch))
+            raise StorageReadError(e.reason, file=e.file, key=keys) from e
+        for chunk, source in staged:
+            chunk.dest.copy_(source)
+        finish(batch)
+
+    def _copy_mapped(self, handle: RangeFile, batch: list[_Chunk]) -> None:
+        """Each chunk: one strided ``copy_`` (casting as needed) from the mapped file into its destination."""
+        data = torch.frombuffer(handle.mapped(), dtype=torch.uint8)
+        for chunk in batch:
+            entry = chunk.entry
+            if entry.data_end > data.numel():
+                raise StorageReadError(
+                    f"short file: {data.numel()} bytes, the tensor ends at {entry.data_end}", file=entry.file, key=entry.key
+                )
+            tensor = data[entry.data_start : entry.data_end].view(entry.dtype).view(entry.shape)
+            chunk.dest.copy_(tensor[chunk.box.slices()])
+        requests = count_requests(chunk.span for chunk in batch)
+        if requests is None or self.record_requests:
+            coalesced = coalesce(_pieces(batch), 0)
+            requests = len(coalesced)
+            self._log(handle.file, coalesced)
+        needed = sum(chunk.nbytes for chunk in batch)
+        ranges = sum(chunk.span[2] for chunk in batch)
+        self.stats.add(handle.file, bytes_read=needed, bytes_needed=needed, ranges=ranges, requests=requests)
+
+    def _read_ranges(self, handle: RangeFile, batch: list[_Chunk]) -> list[tuple[_Chunk, torch.Tensor]]:
+        """Coalesced ranged reads, straight into contiguous destinations or into staging; the
+        staged chunks with their bytes, to copy once the handle is closed."""
         staged_offsets: dict[int, int] = {}
         size = 0
         for i, chunk in enumerate(batch):
@@ -358,25 +430,26 @@ class HFStorageReader(StorageReader):
             for i, chunk in enumerate(batch)
         ]
         pieces = _pieces(batch)
-        requests = coalesce(pieces, self.coalesce_gap)
+        requests = coalesce(pieces, self._gap)
         scratch = memoryview(bytearray(max(r.nbytes - sum(p.nbytes for p in r.pieces) for r in requests)))
-        with location.open(file) as handle:
-            for request in requests:
-                self._read_request(handle, request, _request_views(request, buffers, scratch), batch)
-        if self.record_requests:
-            self.requests_log.extend((file, r.start, r.end) for r in requests)  # list.extend is atomic
+        for request in requests:
+            self._read_request(handle, request, _request_views(request, buffers, scratch), batch)
+        self._log(handle.file, requests)
         self.stats.add(
-            file,
+            handle.file,
             bytes_read=sum(r.nbytes for r in requests),
             bytes_needed=sum(p.nbytes for p in pieces),
             ranges=len(pieces),
             requests=len(requests),
         )
-        for i, offset in staged_offsets.items():
-            chunk = batch[i]
-            source = staging[offset : offset + chunk.nbytes].view(chunk.entry.dtype).view(chunk.box.sizes)
-            chunk.dest.copy_(source)
-        finish(batch)
+        return [
+            (batch[i], staging[offset : offset + batch[i].nbytes].view(batch[i].entry.dtype).view(batch[i].box.sizes))
+            for i, offset in staged_offsets.items()
+        ]
+
+    def _log(self, file: str, requests: list[Request]) -> None:
+        if self.record_requests:
+            self.requests_log.extend((file, r.start, r.end) for r in requests)  # list.extend is atomic
 
     def _staging(self, size: int) -> torch.Tensor:
         """This worker thread's staging bytes, allocated once per ``read_data`` and reused by every
@@ -419,7 +492,7 @@ def _batches(chunks: list[_Chunk], budget: int) -> list[list[_Chunk]]:
     for file_chunks in per_file.values():
         current: list[_Chunk] = []
         used = 0
-        for chunk in sorted(file_chunks, key=lambda c: c.ranges[0][0]):
+        for chunk in sorted(file_chunks, key=lambda c: c.span[0]):
             if current and used + chunk.nbytes > budget:
                 batches.append(current)
                 current, used = [], 0

@@ -8,7 +8,7 @@ from unittest import mock
 import pytest
 import torch
 
-from hp_dcp_hf import load_hf_checkpoint
+from hp_dcp_hf import HFStorageReader, load_hf_checkpoint
 from hp_dcp_hf.errors import MappingError, MissingKeysError, StorageReadError
 from hp_dcp_hf.launch import run_ranks
 from tests.dist.layouts import apply_layout
@@ -64,13 +64,15 @@ def test_mismatches_raise_the_same_error_on_every_rank_before_any_write(tiny_che
     assert "model.layers.0.mlp.experts.gate_up_proj" in results[0]["architecture"][0][1]
 
 
-def _unreadable_on_rank_one(rank: int, world: int, path: str) -> tuple[str, str, tuple[str, ...]]:
+def _unreadable_on_rank_one(rank: int, world: int, path: str, mapped: bool) -> tuple[str, str, tuple[str, ...]]:
     model = _model("llama", world)
-    failing = mock.patch("os.preadv", side_effect=OSError(5, "Input/output error")) if rank == 1 else None
+    # the call that fails on a bad disk: preadv, or the mapping (whose pages are read on access)
+    call = "mmap.mmap" if mapped else "os.preadv"
+    failing = mock.patch(call, side_effect=OSError(5, "Input/output error")) if rank == 1 else None
     try:
         if failing:
             failing.start()
-        load_hf_checkpoint(model, path)
+        load_hf_checkpoint(model, path, reader=HFStorageReader(path, map_local_files=mapped))
     except StorageReadError as error:
         return type(error).__name__, str(error), error.touched_keys
     finally:
@@ -80,9 +82,10 @@ def _unreadable_on_rank_one(rank: int, world: int, path: str) -> tuple[str, str,
 
 
 @pytest.mark.timeout(120)
-def test_one_unreadable_rank_fails_every_rank_promptly(tiny_checkpoints):
+@pytest.mark.parametrize("mapped", [True, False], ids=["mapped", "preadv"])
+def test_one_unreadable_rank_fails_every_rank_promptly(tiny_checkpoints, mapped):
     path = str(tiny_checkpoints("llama").path)
-    results = run_ranks(2, _unreadable_on_rank_one, path, timeout=90)
+    results = run_ranks(2, _unreadable_on_rank_one, path, mapped, timeout=90)
     assert {r[0] for r in results} == {"StorageReadError"}
     assert all("Input/output error" in r[1] and ".safetensors" in r[1] for r in results)
     assert results[1][2] == ()  # rank 1 wrote nothing; rank 0 reports what it had written

@@ -218,8 +218,10 @@ def test_parity_with_torch_huggingface_reader(checkpoint: Path) -> None:
     assert reader.stats.total().bytes_read == sum(v.numel() * v.element_size() for v in ours.values())
 
 
-def test_f8_bool_through_file_url_and_index(checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where torch's reader fails or guesses: F8/BOOL dtypes, a file:// URL; and no staging copy."""
+@pytest.mark.parametrize("mapped", [True, False], ids=["mapped", "preadv"])
+def test_f8_bool_through_file_url_and_index(checkpoint: Path, monkeypatch: pytest.MonkeyPatch, mapped: bool) -> None:
+    """Where torch's reader fails or guesses: F8/BOOL dtypes, a file:// URL; one copy per tensor out of
+    a mapping, none at all with preadv."""
     state_dict = {
         "f8": torch.zeros(6, 4, dtype=torch.float8_e4m3fn),
         "mask": torch.zeros(5, 3, dtype=torch.bool),
@@ -229,12 +231,14 @@ def test_f8_bool_through_file_url_and_index(checkpoint: Path, monkeypatch: pytes
     monkeypatch.setattr(
         torch.Tensor, "copy_", lambda self, *a, **k: copies.append(1) or original(self, *a, **k)
     )
-    dcp.load(state_dict, storage_reader=HFStorageReader(f"file://{checkpoint}"), no_dist=True)
+    reader = HFStorageReader(f"file://{checkpoint}", map_local_files=mapped)
+    dcp.load(state_dict, storage_reader=reader, no_dist=True)
     monkeypatch.undo()
     assert _bytes(state_dict["f8"]) == _bytes(FILE_2["f8"]) and torch.equal(
         state_dict["mask"], FILE_2["mask"]
     )
-    assert copies == []  # contiguous, same dtype: bytes land in the destination directly
+    # preadv: contiguous, same dtype, so the bytes land in the destination directly
+    assert len(copies) == (2 if mapped else 0)
 
 
 def test_noncontiguous_cast_and_staging_budget(checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -247,12 +251,39 @@ def test_noncontiguous_cast_and_staging_budget(checkpoint: Path, monkeypatch: py
 
     monkeypatch.setattr(location_module._LocalFile, "read_into", spy)
     state_dict = {"emb": torch.zeros(6, 11).t(), "cols": torch.zeros(5, 9, dtype=torch.float64)}
-    reader = HFStorageReader(checkpoint, staging_bytes=64, num_threads=2)
+    reader = HFStorageReader(checkpoint, staging_bytes=64, num_threads=2, map_local_files=False)
     dcp.load(state_dict, storage_reader=reader, no_dist=True)
     assert torch.equal(state_dict["emb"], FILE_2["emb"])
     assert torch.equal(state_dict["cols"], FILE_1["cols"].double())
     data_reads = sizes[-reader.stats.total().requests :]
     assert max(data_reads) <= 32 and len(data_reads) >= (11 * 6 * 4 + 5 * 9 * 2) // 32
+
+
+def test_mapped_copies_cast_into_noncontiguous(checkpoint: Path) -> None:
+    state_dict = {"emb": torch.zeros(6, 11).t(), "cols": torch.zeros(5, 9, dtype=torch.float64)}
+    reader = HFStorageReader(checkpoint, staging_bytes=64, num_threads=2)
+    dcp.load(state_dict, storage_reader=reader, no_dist=True)
+    assert torch.equal(state_dict["emb"], FILE_2["emb"])
+    assert torch.equal(state_dict["cols"], FILE_1["cols"].double())
+    stats = reader.stats.total()
+    assert stats.bytes_read == stats.bytes_needed == 11 * 6 * 4 + 5 * 9 * 2
+
+
+def test_unaligned_tensor_is_read_not_mapped(tmp_path: Path) -> None:
+    """A header whose length leaves the data unaligned (legal, if unusual): the bytes cannot be
+    viewed as float32 in place, so they are read by ranges instead, with the same values."""
+    values = torch.arange(6, dtype=torch.float32)
+    header = json.dumps({"x": {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]}}).encode()
+    if len(header) % 2 == 0:
+        header += b" "
+    (tmp_path / "model.safetensors").write_bytes(
+        len(header).to_bytes(8, "little") + header + values.numpy().tobytes()
+    )
+    reader = HFStorageReader(tmp_path)
+    state_dict = {"x": torch.zeros(2, 3)}
+    dcp.load(state_dict, storage_reader=reader, no_dist=True)
+    assert reader.entries["x"].data_start % 4 != 0
+    assert torch.equal(state_dict["x"], values.view(2, 3))
 
 
 class _Planner:
@@ -284,9 +315,12 @@ def _item(dest: str, key: str, box: Box) -> ReadItem:
     )
 
 
+@pytest.mark.parametrize("mapped", [True, False], ids=["mapped", "preadv"])
 @pytest.mark.parametrize("gap", [0, 4096])
-def test_column_box_coalescing(checkpoint: Path, gap: int) -> None:
-    reader = HFStorageReader(checkpoint, coalesce_gap=gap)
+def test_column_box_coalescing(checkpoint: Path, gap: int, mapped: bool) -> None:
+    """Column boxes are one range per row; a gap coalesces them into one request, except out of a
+    mapping, which copies needed bytes only."""
+    reader = HFStorageReader(checkpoint, coalesce_gap=gap, map_local_files=mapped)
     reader.read_metadata()
     dests = {"cols": torch.zeros(11, 2), "none": torch.zeros(0, 6), "ids": torch.zeros(3, dtype=torch.int64)}
     planner = _Planner(dests)
@@ -302,7 +336,7 @@ def test_column_box_coalescing(checkpoint: Path, gap: int) -> None:
     assert sorted(planner.commits) == ["cols", "ids", "none"]
     stats = reader.stats.per_file["model-00002-of-00002.safetensors"]
     assert stats.bytes_needed == 11 * 2 * 4 + 3 * 8 and stats.ranges == 11 + 1
-    if gap == 0:
+    if gap == 0 or mapped:
         assert stats.requests == 12 and stats.bytes_read == stats.bytes_needed
     else:  # one request from the first needed byte of emb to the last of ids, whatever lies between
         emb, ids = reader.entries["emb"], reader.entries["ids"]
