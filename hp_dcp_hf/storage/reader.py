@@ -58,6 +58,12 @@ from hp_dcp_hf.storage.stats import ReadStats
 _ALIGN = 16
 """Staged chunks start at multiples of this, so a byte slice can be viewed as any dtype."""
 
+_LARGE_RANGE = 1 << 20
+"""A batch whose ranges average at least this many bytes and land straight in their destinations
+is read with ``preadv`` even from a mappable file: copying out of a fresh mapping page-faults
+through the same bytes (15-20% slower on contiguous 8 MiB batches here). Mappings win on strided
+boxes, where ranged reads cost a call per row."""
+
 
 @dataclass(frozen=True)
 class _Chunk:
@@ -381,7 +387,7 @@ class HFStorageReader(StorageReader):
         staged: list[tuple[_Chunk, torch.Tensor]] = []
         try:
             with location.open(file) as handle:  # closing checks the file is unchanged
-                if self._maps and all(chunk.mappable for chunk in batch):
+                if self._maps and all(chunk.mappable for chunk in batch) and not _large_direct_reads(batch):
                     self._copy_mapped(handle, batch)
                 else:
                     staged = self._read_ranges(handle, batch)
@@ -470,6 +476,12 @@ class HFStorageReader(StorageReader):
         except StorageReadError as e:
             keys = ", ".join(dict.fromkeys(batch[p.owner].entry.key for p in request.pieces))
             raise StorageReadError(e.reason, file=e.file, key=keys) from e
+
+
+def _large_direct_reads(batch: list[_Chunk]) -> bool:
+    """Every chunk lands in its destination as read, in ranges of :data:`_LARGE_RANGE` bytes on average."""
+    ranges = sum(chunk.span[2] for chunk in batch)
+    return all(chunk.direct for chunk in batch) and sum(chunk.nbytes for chunk in batch) >= _LARGE_RANGE * ranges
 
 
 def _pieces(batch: list[_Chunk]) -> list[Piece]:

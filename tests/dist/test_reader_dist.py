@@ -269,6 +269,29 @@ def test_mapped_copies_cast_into_noncontiguous(checkpoint: Path) -> None:
     assert stats.bytes_read == stats.bytes_needed == 11 * 6 * 4 + 5 * 9 * 2
 
 
+def test_large_contiguous_reads_use_preadv_strided_boxes_the_mapping(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A whole 2 MiB tensor lands in its destination by preadv (a mapping would page-fault through
+    it); a column box of it (one range per row) is one copy out of the mapping."""
+    big = torch.randn(512, 1024)
+    save_file({"big": big}, str(tmp_path / "model.safetensors"))
+    mapped: list[str] = []
+    original = location_module._LocalFile.mapped
+    monkeypatch.setattr(location_module._LocalFile, "mapped", lambda self: mapped.append(self.file) or original(self))
+    for box, expect_mapped in ((Box((0, 0), (512, 1024)), False), (Box((0, 0), (512, 512)), True)):
+        mapped.clear()
+        reader = HFStorageReader(tmp_path)
+        reader.read_metadata()
+        dest = torch.zeros(box.sizes)
+        reader.read_data(LoadPlan([_item("big", "big", box)]), _Planner({"big": dest})).wait()
+        assert torch.equal(dest, big[box.slices()])
+        assert bool(mapped) == expect_mapped, box
+        stats = reader.stats.total()
+        assert stats.bytes_read == stats.bytes_needed == box.numel * 4
+        assert stats.requests == (1 if box.sizes[1] == 1024 else 512)
+
+
 def test_unaligned_tensor_is_read_not_mapped(tmp_path: Path) -> None:
     """A header whose length leaves the data unaligned (legal, if unusual): the bytes cannot be
     viewed as float32 in place, so they are read by ranges instead, with the same values."""
