@@ -20,6 +20,7 @@ Contenders:
 * ``transformers``: ``from_pretrained(path, distributed_config=DistributedConfig(fsdp_size=dp,
   tp_size=tp))``, transformers' shard-on-read (safetensors slices per rank); needs ``accelerate``.
 * ``limit``: ``os.preadv`` of exactly this project's planned byte ranges (:mod:`bench.limit`).
+* ``limit-mmap``: one strided ``copy_`` per planned box out of a mapping of its file (:mod:`bench.limit`).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from torch import nn
 
 from bench import layouts, measure
 
-CONTENDERS = ("limit", "dcp", "dcp+rw", "legacy", "torch", "transformers")
+CONTENDERS = ("limit", "limit-mmap", "dcp", "dcp+rw", "legacy", "torch", "transformers")
 
 
 @dataclass
@@ -272,17 +273,20 @@ def run_torch(job: Job, rank: int) -> list[Row]:
 
 
 def run_limit(job: Job, rank: int) -> list[Row]:
-    from bench.limit import RawReads, plan_ranges
+    """``limit`` (preadv of the planned ranges) or ``limit-mmap`` (strided copies of the planned boxes
+    out of mappings): the same bytes with no loader around them."""
+    from bench.limit import MappedCopies, RawReads, plan_ranges
     from hp_dcp_hf import HFMappingPlanner, HFStorageReader
 
-    row = Row("limit", rank)
+    row = Row(job.contender, rank)
     model = build_model(job)
     reader = HFStorageReader(job.path)
     planner = HFMappingPlanner(model)
     items = planner.plan_reads(model.state_dict(), reader.read_metadata())
-    raw = RawReads(job.path, plan_ranges(items, reader.entries))
+    ranges = plan_ranges(items, reader.entries)
+    raw = RawReads(job.path, ranges) if job.contender == "limit" else MappedCopies(job.path, items, reader.entries)
     row.local_param_bytes = layouts.local_bytes(model)
-    del model, items, planner
+    del model, planner
     try:
         for _ in range(job.warmup):
             raw.read(job.threads)
@@ -291,9 +295,12 @@ def run_limit(job: Job, rank: int) -> list[Row]:
                 got = raw.read(job.threads)
             row.wall_s.append(timer.wall_s)
             row.own_s.append(timer.own_s)
-        row.bytes_needed, row.bytes_read, row.requests, row.ranges = raw.total, got, len(raw.calls), raw.ranges
+        row.bytes_needed, row.bytes_read = raw.total, got
+        row.ranges = sum(len(r) for r in ranges.values())
+        row.requests = len(raw.calls) if isinstance(raw, RawReads) else len(raw.copies)
     finally:
-        raw.close()
+        if isinstance(raw, RawReads):
+            raw.close()
     return [row]
 
 
@@ -377,7 +384,7 @@ def run_transformers(job: Job, rank: int) -> list[Row]:
 
 RUNNERS: dict[str, Callable[[Job, int], list[Row]]] = {
     "dcp": run_dcp, "dcp+rw": run_rewrites, "legacy": run_legacy, "torch": run_torch, "limit": run_limit,
-    "transformers": run_transformers,
+    "limit-mmap": run_limit, "transformers": run_transformers,
 }
 
 

@@ -1,14 +1,21 @@
-"""The limit: read exactly the bytes a rank needs with plain ``os.preadv``, nothing else.
+"""The limits: the bytes a rank needs, moved with nothing else around them.
 
-The byte ranges come from this project's plan for the rank (its ReadItems, as boxes of checkpoint
-tensors, flattened to ``[start, end)`` ranges of the files; ranges that touch are merged, as a
-reader with coalescing gap 0 does). The timed part reads them, with the same number of threads as
-the loaders, into one preallocated, already touched buffer: no planning, no metadata, no copy, no
-dtype handling. No loader that reads these bytes can be faster on this machine.
+Both start from this project's plan for the rank (its ReadItems: boxes of checkpoint tensors) and
+fill one preallocated, already touched buffer with the same number of threads as the loaders: no
+planning, no metadata, no dtype handling, no model.
+
+* :class:`RawReads` (``limit``, the limit the issue defines): plain ``os.preadv`` of the boxes'
+  ``[start, end)`` byte ranges (ranges that touch merged, as a reader with coalescing gap 0 does).
+  A row-sharded box is one call per row.
+* :class:`MappedCopies` (``limit-mmap``): each box one strided ``copy_`` out of a memory mapping of
+  its file, the fastest way this machine has to move those bytes when boxes are strided, and the
+  floor of this project's own local path.
 """
 
 from __future__ import annotations
 
+import math
+import mmap
 import os
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
@@ -16,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from hp_dcp_hf.box import Box
 from hp_dcp_hf.storage import TensorEntry, box_byte_ranges
@@ -96,3 +104,61 @@ class RawReads:
     def close(self) -> None:
         for fd in self.fds.values():
             os.close(fd)
+
+
+class MappedCopies:
+    """The boxes of a rank's plan, each copied out of a mapping of its file into a touched buffer."""
+
+    def __init__(self, root: str | os.PathLike, items: Iterable, entries: Mapping[str, TensorEntry]) -> None:
+        self.root = root
+        self.copies: list[tuple[TensorEntry, tuple[slice, ...], int]] = []  # (entry, box, buffer offset)
+        position = 0
+        for item in sorted(items, key=lambda i: (entries[i.storage_index.fqn].file, entries[i.storage_index.fqn].data_start)):
+            entry = entries[item.storage_index.fqn]
+            box = Box(tuple(item.storage_offsets), tuple(item.lengths))
+            self.copies.append((entry, box.slices(), position))
+            position += box.numel * entry.itemsize
+        self.total = position
+        self.buffer = torch.ones(max(position, 1), dtype=torch.uint8)  # touched: no page faults while timed
+
+    def batches(self, threads: int) -> list[list[tuple[TensorEntry, tuple[slice, ...], int]]]:
+        """The copies dealt to ``threads`` threads, in file order, about equal bytes each."""
+        per_thread = -(-self.total // threads)
+        out: list[list[tuple[TensorEntry, tuple[slice, ...], int]]] = [[]]
+        load = 0
+        for copy in self.copies:
+            if load >= per_thread and len(out) < threads:
+                out.append([])
+                load = 0
+            out[-1].append(copy)
+            load += _nbytes(copy)
+        return out
+
+    def read(self, threads: int) -> int:
+        """Every copy, each thread mapping the files of its batch once; the number of bytes copied."""
+
+        def loop(batch: list[tuple[TensorEntry, tuple[slice, ...], int]]) -> int:
+            total, maps = 0, {}
+            try:
+                for entry, box, at in batch:
+                    if entry.file not in maps:
+                        with open(Path(self.root, entry.file), "rb") as f:
+                            maps[entry.file] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+                    data = torch.frombuffer(maps[entry.file], dtype=torch.uint8)
+                    source = data[entry.data_start : entry.data_end].view(entry.dtype).view(entry.shape)[box]
+                    n = source.numel() * entry.itemsize
+                    self.buffer[at : at + n].view(entry.dtype).view(source.shape).copy_(source)
+                    total += n
+                    del data, source
+            finally:
+                for m in maps.values():
+                    m.close()
+            return total
+
+        with ThreadPoolExecutor(threads) as pool:
+            return sum(pool.map(loop, self.batches(threads)))
+
+
+def _nbytes(copy: tuple[TensorEntry, tuple[slice, ...], int]) -> int:
+    entry, box, _ = copy
+    return math.prod(s.stop - s.start for s in box) * entry.itemsize
