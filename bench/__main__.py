@@ -3,10 +3,12 @@
     python -m bench                      # smoke size (~50 MB checkpoints), every part
     python -m bench --size full          # ~2 GB checkpoints (the real run)
     python -m bench --parts loads --worlds 4 --contenders limit,dcp,legacy
+    python -m bench --parts remote --size 1GB                # the MoE checkpoint from a local S3 server
     python -m bench --render bench/results/2025-01-01.json   # re-render a report
 
 Parts: ``loads`` (contenders side by side on 1, 2, 4 ranks), ``real`` (SmolLM2-135M with TP,
-logits checked), ``simulate`` (cluster-scale planning), ``multinode`` (two torchrun launchers).
+logits checked), ``simulate`` (cluster-scale planning), ``multinode`` (two torchrun launchers),
+``remote`` (the MoE checkpoint from a local moto S3 server on 4 ranks, against s3fs whole files).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
 TABLE_START, TABLE_END = "<!-- bench:table:start -->", "<!-- bench:table:end -->"
-PARTS = ("loads", "real", "simulate", "multinode")
+PARTS = ("loads", "real", "simulate", "multinode", "remote")
 
 
 def _quiet_environment(cache_dir: Path) -> None:
@@ -56,6 +58,7 @@ def _ints(text: str) -> list[int]:
 
 def build_parser() -> argparse.ArgumentParser:
     from bench.contenders import CONTENDERS
+    from bench.remote import CONTENDERS as REMOTE_CONTENDERS
 
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
     p.add_argument("--size", default="smoke", help="checkpoint size: smoke (~50 MB), full (~2 GB), or e.g. 500MB")
@@ -77,7 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sim-fresh", type=int, default=1, help="ranks per world planned from scratch (timed)")
     p.add_argument("--sim-cached", type=int, default=4, help="ranks per world planned with a reused composition")
     p.add_argument("--real-world", type=int, default=3, help="TP ranks of the SmolLM2 row (9/3 heads: 3)")
-    p.add_argument("--remote", default=None, metavar="URL", help="remote row (hook only, see bench/remote.py)")
+    p.add_argument("--remote-contenders", default=",".join(REMOTE_CONTENDERS),
+                   help="contenders of the remote part (4 ranks, MoE checkpoint on moto S3)")
     p.add_argument("--render", default=None, metavar="JSON", help="only re-render an existing results file")
     p.add_argument("--update-readme", action="store_true", help="put the loads table into README's Benchmarks section")
     return p
@@ -182,11 +186,18 @@ def main(argv: list[str] | None = None) -> int:
         dense = next((w for w in workloads if w.kind == "dense"), workloads[0])
         doc["multinode"] = run_multinode(dense, args.timeout)
         print(f"  correct: {doc['multinode'].get('correct')} {doc['multinode'].get('error', '')}")
-    if args.remote:
+    if "remote" in parts:
         from bench.remote import run_remote
 
-        doc["remote"] = run_remote(args.remote)
-        doc["not_run"].append(doc["remote"]["skipped"])
+        print("remote (moto S3 server in this process, 4 ranks):")
+        moe = next((w for w in workloads if w.kind == "moe"), None) or ensure_workload("moe", size, cache_dir)
+        doc["remote"] = run_remote(moe, meshes.get(4, default_mesh(4)), reps=args.reps, warmup=args.warmup,
+                                   threads=args.threads, timeout=args.timeout,
+                                   contenders=[c.strip() for c in args.remote_contenders.split(",") if c.strip()])
+        if doc["remote"].get("error"):
+            print(f"  error: {doc['remote']['error']}")
+        doc["not_run"] += [f"remote {r['contender']}: {r['skipped']}" for r in doc["remote"].get("contenders", [])
+                           if r.get("skipped")]
     doc["elapsed_s"] = time.perf_counter() - started
     from bench.report import machine
 

@@ -208,7 +208,7 @@ def torch_load(model: nn.Module, job: Job) -> dict[str, Any]:
 # -- one contender on one rank -------------------------------------------------------------------
 
 
-def _repeat(row: Row, job: Job, model: nn.Module, load: Callable[[nn.Module], dict[str, Any]]) -> None:
+def repeat_loads(row: Row, job: Job, model: nn.Module, load: Callable[[nn.Module], dict[str, Any]]) -> None:
     """Run ``load(model)`` ``job.warmup`` times untimed (first imports, first-touch of the reader's
     code paths), then ``job.reps`` times timed, NaN refill before each; digests of the first timed."""
     for _ in range(job.warmup):
@@ -232,14 +232,14 @@ def _repeat(row: Row, job: Job, model: nn.Module, load: Callable[[nn.Module], di
 def run_dcp(job: Job, rank: int) -> list[Row]:
     row = Row("dcp", rank)
     model = build_model(job)
-    _repeat(row, job, model, lambda m: project_load(m, job, trace=True))
+    repeat_loads(row, job, model, lambda m: project_load(m, job, trace=True))
     return [row]
 
 
 def run_legacy(job: Job, rank: int) -> list[Row]:
     row = Row("legacy", rank)
     model = build_model(job)
-    _repeat(row, job, model, lambda m: project_load(m, job, trace=False))
+    repeat_loads(row, job, model, lambda m: project_load(m, job, trace=False))
     row.extra["legacy_plan_bytes"] = row.bytes_needed
     row.bytes_needed = None  # the minimum comes from the dcp row of the same layout
     return [row]
@@ -253,7 +253,7 @@ def run_rewrites(job: Job, rank: int) -> list[Row]:
         return [row]
     model = build_model(job, transforms)
     row.notes.append("rewrites: " + ", ".join(t.__name__ for t in transforms))
-    _repeat(row, job, model, lambda m: project_load(m, job, trace=True))
+    repeat_loads(row, job, model, lambda m: project_load(m, job, trace=True))
     ours = row.digests or {}
     refill_nan(model)
     project_load(model, job, trace=False)
@@ -267,7 +267,7 @@ def run_torch(job: Job, rank: int) -> list[Row]:
     model = build_model(job)
     if job.kind == "moe":
         row.notes.append("experts: per-expert HF tensors loaded by DCP, then stacked (torchtitan route)")
-    _repeat(row, job, model, lambda m: torch_load(m, job))
+    repeat_loads(row, job, model, lambda m: torch_load(m, job))
     row.bytes_needed = None
     return [row]
 
@@ -370,7 +370,7 @@ def run_transformers(job: Job, rank: int) -> list[Row]:
     row.extra["placements"] = sorted(placements)
     tf_digests = row.digests or {}
     refill_nan(model)
-    _repeat(ours, job, model, lambda m: project_load(m, job, trace=True))
+    repeat_loads(ours, job, model, lambda m: project_load(m, job, trace=True))
     ours_digests = ours.digests or {}
     refill_nan(model)
     project_load(model, job, trace=False)

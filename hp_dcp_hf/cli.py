@@ -457,8 +457,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--transforms", default="", help="comma-separated rewrites: fuse_qkv,fuse_gate_up,...")
         p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
         p.add_argument("--no-strict", action="store_true", help="missing model tensors are not an error")
-        p.add_argument("--coalesce-gap", type=int, default=0,
-                       help="reader: merge ranges at most this far apart (remote files, or with --no-map)")
+        p.add_argument("--coalesce-gap", type=int, default=None,
+                       help="reader: merge ranges at most this far apart (default: 0 local, 1 MiB remote; "
+                            "local files only with --no-map)")
         p.add_argument("--no-map", action="store_true",
                        help="reader: read local files with preadv instead of copying out of a memory mapping")
         p.add_argument("--threads", type=int, default=8, help="reader: reads in flight")

@@ -48,6 +48,12 @@ _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 REMOTE_BLOCK_BYTES = 16 * 2**20
 """Largest single ``cat_file`` request: bounds the temporary ``bytes`` a remote read holds at once."""
 
+REMOTE_COALESCE_GAP = 2**20
+"""Default coalescing gap of remote stores: a request costs a round trip (tens of ms on S3), in
+which a connection moves about a megabyte, so reading and dropping a hole up to that size is
+cheaper than a request of its own. A TP row-sharded box is then one request per staging batch
+instead of one per row."""
+
 T = TypeVar("T")
 
 
@@ -348,6 +354,8 @@ class Backend:
     """The fsspec filesystem behind the backend, when there is one."""
     mappable: bool = False
     """Handles of this backend map files into memory (:meth:`RangeFile.mapped`)."""
+    coalesce_gap: int = REMOTE_COALESCE_GAP
+    """The reader's default coalescing gap on this store (0 for local files: a read costs no round trip)."""
 
     def join(self, root: str, file: str) -> str:
         return posixpath.join(root, file) if root else file
@@ -400,6 +408,7 @@ class FsspecBackend(Backend):
     def __init__(self, fs: AbstractFileSystem, retry: RetryPolicy | None = None) -> None:
         self.fs = fs
         self.local = self.mappable = isinstance(fs, LocalFileSystem)
+        self.coalesce_gap = 0 if self.local else REMOTE_COALESCE_GAP
         if retry is None and not self.local:
             from hp_dcp_hf.storage.remote import RetryPolicy
 

@@ -129,7 +129,9 @@ class HFStorageReader(StorageReader):
     ``path``: a ``.safetensors`` file or a directory (with or without
     ``model.safetensors.index.json``), as a local path or any fsspec URL; ``storage_options`` and
     ``fs_kwargs`` go to the fsspec filesystem. ``coalesce_gap``: neighbouring byte ranges at most
-    this far apart are read in one request (gap bytes are read and dropped). ``num_threads``: reads
+    this far apart are read in one request (gap bytes are read and dropped); by default 0 on local
+    files (bytes read = bytes needed) and 1 MiB on remote stores, where a request costs a round
+    trip (``REMOTE_COALESCE_GAP``; pass 0 to fetch needed bytes only). ``num_threads``: reads
     in flight. ``staging_bytes``: the most memory reads in flight may hold for staging; a larger
     tensor is read a block of rows at a time. ``broadcast_metadata``: in a process group, rank 0
     alone reads the headers and broadcasts them (every rank must then call ``read_metadata``,
@@ -157,7 +159,7 @@ class HFStorageReader(StorageReader):
         path: str | os.PathLike,
         *,
         storage_options: Mapping[str, Any] | None = None,
-        coalesce_gap: int = 0,
+        coalesce_gap: int | None = None,
         num_threads: int = 8,
         staging_bytes: int = 64 * 2**20,
         broadcast_metadata: bool = True,
@@ -170,7 +172,7 @@ class HFStorageReader(StorageReader):
         self.record_requests = record_requests
         self.map_local_files = map_local_files
         self._thread_local = threading.local()
-        if coalesce_gap < 0 or num_threads < 1 or staging_bytes < _ALIGN * num_threads:
+        if (coalesce_gap or 0) < 0 or num_threads < 1 or staging_bytes < _ALIGN * num_threads:
             raise ValueError(
                 f"need coalesce_gap >= 0, num_threads >= 1 and staging_bytes >= {_ALIGN} per thread; got "
                 f"{coalesce_gap}, {num_threads}, {staging_bytes}"
@@ -213,7 +215,11 @@ class HFStorageReader(StorageReader):
     @property
     def _gap(self) -> int:
         """The coalescing gap requests are made with (none when mapping: gaps would cost a copy)."""
-        return 0 if self._maps else self.coalesce_gap
+        if self._maps:
+            return 0
+        if self.coalesce_gap is not None:
+            return self.coalesce_gap
+        return self._location.backend.coalesce_gap if self._location is not None else 0
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
