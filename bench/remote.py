@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import measure
-from bench.contenders import Job, Row, build_model, project_load, refill_nan, repeat_loads
+from bench.contenders import Job, Row, build_model, legacy_digests, repeat_loads
 from bench.layouts import mesh_label
 from bench.loads import aggregate
 from bench.workloads import Workload, size_tag
@@ -81,9 +81,7 @@ def _dcp_s3(job: Job, rank: int, url: str, options: dict[str, Any]) -> Row:
                 "requests": total.requests, "ranges": total.ranges, "header_bytes": total.header_bytes}
 
     repeat_loads(row, job, model, load)
-    refill_nan(model)
-    project_load(model, job, trace=False)
-    row.mismatched = measure.compare_digests(row.digests or {}, measure.digests(model))
+    row.mismatched = measure.compare_digests(row.digests or {}, legacy_digests(model, job))
     row.digests = None
     return row
 

@@ -102,12 +102,15 @@ def test_contiguous_and_row_examples() -> None:
 
 
 @settings(max_examples=100, deadline=None)
-@given(tensor_and_box(min_size=1), st.integers(1, 64))
-def test_split_box_bounds_bytes_and_keeps_row_major_order(case, budget_elements: int) -> None:
+@given(tensor_and_box(min_size=1), st.integers(1, 64), st.booleans())
+def test_split_box_bounds_bytes_and_keeps_row_major_order(case, budget_elements: int, bound_span: bool) -> None:
     shape, box, dtype = case
     budget = budget_elements * dtype.itemsize
-    parts = split_box(box, dtype.itemsize, budget)
+    parts = split_box(box, dtype.itemsize, budget, shape if bound_span else None)
     assert all(p.numel * dtype.itemsize <= budget for p in parts)
+    if bound_span:  # first to last byte, holes included: what a mapped copy of the part touches
+        spans = [box_span(shape, dtype.itemsize, p) for p in parts]
+        assert all(last - first <= budget for first, last, _ in spans)
     assert disjoint_cover([p.relative_to(box.offsets) for p in parts], box.sizes)
     # Parts in order are the box's bytes in order: a staged part can be copied as it arrives.
     _, data = _source(shape, dtype)
@@ -125,6 +128,9 @@ def test_split_box_cuts_rows_then_columns() -> None:
     ]
     with pytest.raises(ValueError, match="smaller than one"):
         split_box(Box((0,), (4,)), 8, 4)
+    # half the columns of 4 rows of 8: 16 bytes of data, but each row starts 32 bytes after the last
+    assert split_box(Box((0, 0), (4, 4)), 4, 64) == [Box((0, 0), (4, 4))]
+    assert split_box(Box((0, 0), (4, 4)), 4, 64, shape=(4, 8)) == [Box((0, 0), (2, 4)), Box((2, 0), (2, 4))]
 
 
 def _pieces(spans: list[tuple[int, int]]) -> list[Piece]:

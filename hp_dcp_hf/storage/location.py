@@ -24,7 +24,6 @@ version checks every read against it (local: ``os.fstat`` of its descriptor; rem
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import mmap
 import os
@@ -126,9 +125,9 @@ class RangeFile:
         """Fill ``buffers`` (writable, C-contiguous) in order from the bytes starting at ``start``."""
         raise NotImplementedError
 
-    def mapped(self) -> memoryview | None:
-        """The whole file's bytes mapped into memory, for backends that can (:attr:`Backend.mappable`);
-        ``None`` for the others. Valid until :meth:`close`."""
+    def mapped(self, start: int, end: int) -> memoryview | None:
+        """Bytes ``[start, end)`` mapped into memory, for backends that can (:attr:`Backend.mappable`);
+        ``None`` for the others. The mapping lives as long as the view (and what is made of it)."""
         return None
 
     def close(self) -> None:
@@ -163,7 +162,7 @@ def fill_views(views: list[memoryview], position: tuple[int, int], data: memoryv
 
 class _LocalFile(RangeFile):
     """A local file: one descriptor, ``os.preadv`` scatter reads straight into the caller's buffers,
-    or a private read-only mapping of the whole file (:meth:`mapped`).
+    or private read-only mappings of the ranges asked (:meth:`mapped`).
 
     With an ``expected`` version, ``os.fstat`` of the descriptor is checked against it before the
     first read or mapping (so a file changed before the load reads nothing) and when the handle
@@ -178,7 +177,7 @@ class _LocalFile(RangeFile):
         super().__init__(file)
         self._expected = expected
         self._checked = False
-        self._map: mmap.mmap | None = None
+        self._size: int | None = None
         try:
             self._fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError as e:
@@ -215,26 +214,27 @@ class _LocalFile(RangeFile):
             if got:
                 views[first] = views[first][got:]
 
-    def mapped(self) -> memoryview:
-        if self._map is None:
-            if not self._checked:
-                self._check_unchanged()
-            try:
-                # ACCESS_COPY: private pages, so the view is writable (torch.frombuffer wants that)
-                # without any write ever reaching the file.
-                self._map = mmap.mmap(self._fd, 0, access=mmap.ACCESS_COPY)
-            except (OSError, ValueError) as e:
-                raise StorageReadError(f"cannot map: {e}", file=self.file) from e
-        return memoryview(self._map)
+    def mapped(self, start: int, end: int) -> memoryview:
+        if not self._checked:
+            self._check_unchanged()
+        if self._size is None:
+            self._size = os.fstat(self._fd).st_size
+        if end > self._size:  # a mapping past the end of a file answers with SIGBUS, not a short read
+            raise self._short(start, end, max(0, self._size - start))
+        offset = start - start % mmap.ALLOCATIONGRANULARITY
+        try:
+            # ACCESS_COPY: private pages, so the view is writable (torch.frombuffer wants that)
+            # without any write ever reaching the file.
+            mapping = mmap.mmap(self._fd, end - offset, access=mmap.ACCESS_COPY, offset=offset)
+        except (OSError, ValueError) as e:
+            raise StorageReadError(f"cannot map [{start}, {end}): {e}", file=self.file) from e
+        return memoryview(mapping)[start - offset :]
 
     def close(self) -> None:
         try:
             if self._checked:
                 self._check_unchanged()
         finally:
-            if self._map is not None:
-                with contextlib.suppress(BufferError):  # a view still lives: unmapped when it goes
-                    self._map.close()
             os.close(self._fd)
 
 

@@ -68,25 +68,37 @@ def count_requests(spans: Iterable[tuple[int, int, int]]) -> int | None:
     return requests
 
 
-def split_box(box: Box, itemsize: int, max_bytes: int) -> list[Box]:
+def split_box(box: Box, itemsize: int, max_bytes: int, shape: Sequence[int] | None = None) -> list[Box]:
     """``box`` cut along its outer dims into row-major sub-boxes of at most ``max_bytes`` each.
 
     Bounds the staging memory of one read: a tensor bigger than the budget is read a block of rows
-    at a time, and a single row bigger than the budget is cut along the next dim, and so on.
+    at a time, and a single row bigger than the budget is cut along the next dim, and so on. With
+    the tensor's ``shape``, each part's span in the file (first to last byte, holes included) is
+    bounded too: what a copy out of a mapping holds resident.
     """
-    if box.numel * itemsize <= max_bytes or box.ndim == 0:
-        return [box]
     if max_bytes < itemsize:
         raise ValueError(f"budget of {max_bytes} bytes is smaller than one {itemsize}-byte element")
-    dim = next(d for d in range(box.ndim) if box.sizes[d] > 1)
-    slab = box.numel // box.sizes[dim] * itemsize
-    step = max(1, max_bytes // slab)
+
+    def span(part: Box) -> int:
+        first, last, _ = box_span(shape, itemsize, part) if shape is not None else (0, 0, 0)
+        return last - first
+
+    if box.ndim == 0 or (box.numel * itemsize <= max_bytes and span(box) <= max_bytes):
+        return [box]
+    dim = next((d for d in range(box.ndim) if box.sizes[d] > 1), None)
+    if dim is None:  # one element, within budget
+        return [box]
+    slab = Box((*box.offsets[:dim], box.offsets[dim], *box.offsets[dim + 1 :]), (*box.sizes[:dim], 1, *box.sizes[dim + 1 :]))
+    step = max(1, max_bytes // (slab.numel * itemsize))
+    if shape is not None:  # k slabs span (k - 1) strides of this dim plus one slab's span
+        stride = math.prod(shape[dim + 1 :]) * itemsize
+        step = max(1, min(step, (max_bytes - span(slab)) // stride + 1))
     parts: list[Box] = []
     for lo in range(0, box.sizes[dim], step):
         size = min(step, box.sizes[dim] - lo)
         offsets = (*box.offsets[:dim], box.offsets[dim] + lo, *box.offsets[dim + 1 :])
         sizes = (*box.sizes[:dim], size, *box.sizes[dim + 1 :])
-        parts.extend(split_box(Box(offsets, sizes), itemsize, max_bytes))
+        parts.extend(split_box(Box(offsets, sizes), itemsize, max_bytes, shape))
     return parts
 
 

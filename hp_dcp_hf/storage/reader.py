@@ -13,6 +13,7 @@ buffer and ``copy_`` (which casts and writes through non-contiguous views).
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import uuid
@@ -91,6 +92,12 @@ class _Chunk:
         return self.entry.data_start + first, self.entry.data_start + last, count
 
     @property
+    def strides(self) -> tuple[int, ...]:
+        """The checkpoint tensor's row-major strides, in elements."""
+        shape = self.entry.shape
+        return tuple(math.prod(shape[d + 1 :]) for d in range(len(shape)))
+
+    @property
     def mappable(self) -> bool:
         """The tensor's bytes can be viewed as its dtype in place (its start is aligned to it)."""
         return self.entry.data_start % self.entry.itemsize == 0
@@ -132,8 +139,9 @@ class HFStorageReader(StorageReader):
     this far apart are read in one request (gap bytes are read and dropped); by default 0 on local
     files (bytes read = bytes needed) and 1 MiB on remote stores, where a request costs a round
     trip (``REMOTE_COALESCE_GAP``; pass 0 to fetch needed bytes only). ``num_threads``: reads
-    in flight. ``staging_bytes``: the most memory reads in flight may hold for staging; a larger
-    tensor is read a block of rows at a time. ``broadcast_metadata``: in a process group, rank 0
+    in flight. ``staging_bytes``: the most memory reads in flight may hold for staging, or keep
+    mapped (a part's span in the file, holes included, counts); a larger tensor is read a block of
+    rows at a time. ``broadcast_metadata``: in a process group, rank 0
     alone reads the headers and broadcasts them (every rank must then call ``read_metadata``,
     which ``dcp.load`` does). ``retry``: the :class:`~hp_dcp_hf.storage.remote.RetryPolicy` of
     remote reads, or a dict of its fields. ``record_requests``: keep every request issued in
@@ -382,7 +390,7 @@ class HFStorageReader(StorageReader):
             return []
         return [
             _Chunk(item=index, entry=entry, box=part, dest=dest[part.relative_to(box.offsets).slices()])
-            for part in split_box(box, entry.itemsize, budget)
+            for part in split_box(box, entry.itemsize, budget, entry.shape)
         ]
 
     def _read_batch(
@@ -407,16 +415,15 @@ class HFStorageReader(StorageReader):
         finish(batch)
 
     def _copy_mapped(self, handle: RangeFile, batch: list[_Chunk]) -> None:
-        """Each chunk: one strided ``copy_`` (casting as needed) from the mapped file into its destination."""
-        data = torch.frombuffer(handle.mapped(), dtype=torch.uint8)
+        """Each chunk: its span of the file mapped, one strided ``copy_`` (casting as needed) into its
+        destination, unmapped (so a thread holds at most one chunk's span resident)."""
         for chunk in batch:
-            entry = chunk.entry
-            if entry.data_end > data.numel():
-                raise StorageReadError(
-                    f"short file: {data.numel()} bytes, the tensor ends at {entry.data_end}", file=entry.file, key=entry.key
-                )
-            tensor = data[entry.data_start : entry.data_end].view(entry.dtype).view(entry.shape)
-            chunk.dest.copy_(tensor[chunk.box.slices()])
+            first, last, _ = chunk.span
+            view = handle.mapped(first, last)
+            assert view is not None, "read from a mapping of a backend that cannot map"
+            source = torch.frombuffer(view, dtype=chunk.entry.dtype).as_strided(chunk.box.sizes, chunk.strides)
+            chunk.dest.copy_(source)
+            del source, view
         requests = count_requests(chunk.span for chunk in batch)
         if requests is None or self.record_requests:
             coalesced = coalesce(_pieces(batch), 0)

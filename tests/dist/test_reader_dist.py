@@ -278,7 +278,9 @@ def test_large_contiguous_reads_use_preadv_strided_boxes_the_mapping(
     save_file({"big": big}, str(tmp_path / "model.safetensors"))
     mapped: list[str] = []
     original = location_module._LocalFile.mapped
-    monkeypatch.setattr(location_module._LocalFile, "mapped", lambda self: mapped.append(self.file) or original(self))
+    monkeypatch.setattr(
+        location_module._LocalFile, "mapped", lambda self, *span: mapped.append(span) or original(self, *span)
+    )
     for box, expect_mapped in ((Box((0, 0), (512, 1024)), False), (Box((0, 0), (512, 512)), True)):
         mapped.clear()
         reader = HFStorageReader(tmp_path)
@@ -287,9 +289,30 @@ def test_large_contiguous_reads_use_preadv_strided_boxes_the_mapping(
         reader.read_data(LoadPlan([_item("big", "big", box)]), _Planner({"big": dest})).wait()
         assert torch.equal(dest, big[box.slices()])
         assert bool(mapped) == expect_mapped, box
+        # a mapping spans its chunk only: at most the per-thread staging budget (64 MiB / 8)
+        assert all(end - start <= 8 * 2**20 for start, end in mapped)
         stats = reader.stats.total()
         assert stats.bytes_read == stats.bytes_needed == box.numel * 4
         assert stats.requests == (1 if box.sizes[1] == 1024 else 512)
+
+
+def test_mapped_span_stays_within_the_staging_budget(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Half the columns of a 2 MiB tensor: 1 MiB needed, but its rows span 2 MiB of the file. With
+    512 KiB per thread, each mapping covers at most 512 KiB (what a thread holds resident)."""
+    big = torch.randn(512, 1024)
+    save_file({"big": big}, str(tmp_path / "model.safetensors"))
+    spans: list[tuple[int, int]] = []
+    original = location_module._LocalFile.mapped
+    monkeypatch.setattr(
+        location_module._LocalFile, "mapped", lambda self, *span: spans.append(span) or original(self, *span)
+    )
+    reader = HFStorageReader(tmp_path, staging_bytes=4 * 2**20, num_threads=8)
+    reader.read_metadata()
+    dest = torch.zeros(512, 512)
+    reader.read_data(LoadPlan([_item("big", "big", Box((0, 256), (512, 512)))]), _Planner({"big": dest})).wait()
+    assert torch.equal(dest, big[:, 256:768])
+    assert len(spans) == 4 and all(end - start <= 2**19 for start, end in spans)
+    assert reader.stats.total().bytes_read == 2**20
 
 
 def test_unaligned_tensor_is_read_not_mapped(tmp_path: Path) -> None:
