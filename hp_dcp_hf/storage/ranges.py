@@ -18,17 +18,25 @@ import numpy as np
 from hp_dcp_hf.box import Box
 
 
-def box_byte_ranges(shape: Sequence[int], itemsize: int, box: Box) -> list[tuple[int, int]]:
-    """``[start, end)`` byte ranges (relative to the tensor's first byte) of ``box``, in row-major order."""
+def _runs(shape: Sequence[int], itemsize: int, box: Box) -> tuple[int, list[int]] | None:
+    """The last dim ``box`` cuts (-1 when it cuts none: one contiguous run) and the tensor's byte
+    strides; ``None`` for an empty box. Raises ``ValueError`` when ``box`` is not inside ``shape``."""
     if len(shape) != box.ndim or not Box.full(shape).contains(box):
         raise ValueError(f"box {box} is not inside a tensor of shape {tuple(shape)}")
     if box.is_empty():
-        return []
+        return None
     cut = [d for d in range(box.ndim) if box.sizes[d] < shape[d]]
-    if not cut:
+    return (cut[-1] if cut else -1), [math.prod(shape[d + 1 :]) * itemsize for d in range(len(shape))]
+
+
+def box_byte_ranges(shape: Sequence[int], itemsize: int, box: Box) -> list[tuple[int, int]]:
+    """``[start, end)`` byte ranges (relative to the tensor's first byte) of ``box``, in row-major order."""
+    runs = _runs(shape, itemsize, box)
+    if runs is None:
+        return []
+    last, strides = runs
+    if last < 0:
         return [(0, math.prod(shape) * itemsize)]
-    last = cut[-1]
-    strides = [math.prod(shape[d + 1 :]) * itemsize for d in range(len(shape))]
     run = box.sizes[last] * strides[last]
     # Start of every run: the outer dims' indices, expanded in row-major order.
     starts = np.array([box.offsets[last] * strides[last]], dtype=np.int64)
@@ -41,15 +49,12 @@ def box_byte_ranges(shape: Sequence[int], itemsize: int, box: Box) -> list[tuple
 def box_span(shape: Sequence[int], itemsize: int, box: Box) -> tuple[int, int, int]:
     """``(start of the first range, end of the last, number of ranges)`` of :func:`box_byte_ranges`,
     without listing the ranges (a row-sharded box has one per row); ``(0, 0, 0)`` when empty."""
-    if len(shape) != box.ndim or not Box.full(shape).contains(box):
-        raise ValueError(f"box {box} is not inside a tensor of shape {tuple(shape)}")
-    if box.is_empty():
+    runs = _runs(shape, itemsize, box)
+    if runs is None:
         return 0, 0, 0
-    cut = [d for d in range(box.ndim) if box.sizes[d] < shape[d]]
-    if not cut:
+    last, strides = runs
+    if last < 0:
         return 0, math.prod(shape) * itemsize, 1
-    last = cut[-1]
-    strides = [math.prod(shape[d + 1 :]) * itemsize for d in range(len(shape))]
     first = sum(box.offsets[d] * strides[d] for d in range(last + 1))
     final = sum((box.ends[d] - 1) * strides[d] for d in range(last)) + box.offsets[last] * strides[last]
     return first, final + box.sizes[last] * strides[last], math.prod(box.sizes[:last])
@@ -88,7 +93,7 @@ def split_box(box: Box, itemsize: int, max_bytes: int, shape: Sequence[int] | No
     dim = next((d for d in range(box.ndim) if box.sizes[d] > 1), None)
     if dim is None:  # one element, within budget
         return [box]
-    slab = Box((*box.offsets[:dim], box.offsets[dim], *box.offsets[dim + 1 :]), (*box.sizes[:dim], 1, *box.sizes[dim + 1 :]))
+    slab = Box(box.offsets, (*box.sizes[:dim], 1, *box.sizes[dim + 1 :]))  # one index of dim
     step = max(1, max_bytes // (slab.numel * itemsize))
     if shape is not None:  # k slabs span (k - 1) strides of this dim plus one slab's span
         stride = math.prod(shape[dim + 1 :]) * itemsize
