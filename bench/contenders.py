@@ -323,10 +323,9 @@ def run_limit(job: Job, rank: int) -> list[Row]:
             row.own_s.append(timer.own_s)
         row.bytes_needed, row.bytes_read = raw.total, got
         row.ranges = sum(len(r) for r in ranges.values())
-        row.requests = len(raw.calls) if isinstance(raw, RawReads) else len(raw.copies)
+        row.requests = raw.requests
     finally:
-        if isinstance(raw, RawReads):
-            raw.close()
+        raw.close()
     return [row]
 
 

@@ -4,12 +4,11 @@ Both start from this project's plan for the rank (its ReadItems: boxes of checkp
 fill one preallocated, already touched buffer with the same number of threads as the loaders: no
 planning, no metadata, no dtype handling, no model.
 
-* :class:`RawReads` (``limit``, the limit the issue defines): plain ``os.preadv`` of the boxes'
-  ``[start, end)`` byte ranges (ranges that touch merged, as a reader with coalescing gap 0 does).
+* :class:`RawReads` (``limit``, the limit the targets are measured against): plain ``os.preadv``
+  of the boxes' ``[start, end)`` byte ranges (ranges that touch merged, as a reader with coalescing gap 0 does).
   A row-sharded box is one call per row.
 * :class:`MappedCopies` (``limit-mmap``): each box one strided ``copy_`` out of a memory mapping of
-  its file, the fastest way this machine has to move those bytes when boxes are strided, and the
-  floor of this project's own local path.
+  its file: the floor of this project's own local path, below ``limit`` when boxes are strided.
 """
 
 from __future__ import annotations
@@ -69,6 +68,10 @@ class RawReads:
                     position += n
         self.ranges = sum(len(r) for r in ranges.values())
 
+    @property
+    def requests(self) -> int:
+        return len(self.calls)
+
     def batches(self, threads: int) -> list[list[tuple[int, int, int, int]]]:
         """The calls dealt to ``threads`` threads, in file order, about equal bytes each."""
         per_thread = -(-sum(c[3] for c in self.calls) // threads)
@@ -121,6 +124,10 @@ class MappedCopies:
         self.total = position
         self.buffer = torch.ones(max(position, 1), dtype=torch.uint8)  # touched: no page faults while timed
 
+    @property
+    def requests(self) -> int:
+        return len(self.copies)
+
     def batches(self, threads: int) -> list[list[tuple[TensorEntry, tuple[slice, ...], int]]]:
         """The copies dealt to ``threads`` threads, in file order, about equal bytes each."""
         per_thread = -(-self.total // threads)
@@ -157,6 +164,9 @@ class MappedCopies:
 
         with ThreadPoolExecutor(threads) as pool:
             return sum(pool.map(loop, self.batches(threads)))
+
+    def close(self) -> None:
+        """Nothing held between reads: each one maps and unmaps its files."""
 
 
 def _nbytes(copy: tuple[TensorEntry, tuple[slice, ...], int]) -> int:
