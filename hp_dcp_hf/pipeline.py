@@ -91,6 +91,10 @@ class PretrainedLoadReport(LoadReport):
     seconds: Mapping[str, float] = field(default_factory=dict)
     """Wall time of each stage: ``skeleton``, ``transforms``, ``parallelize``, ``materialize``,
     ``load``, ``finalize``."""
+    layout: tuple[str, ...] = ()
+    """What the parallelization did (its ``applied`` lines, when it has them)."""
+    unsharded: tuple[Any, ...] = ()
+    """What a requested mesh dim left whole, and why (:class:`hp_dcp_hf.parallel.Unsharded`)."""
 
 
 # -- stage 1 -----------------------------------------------------------------------------------
@@ -106,7 +110,7 @@ def read_config(path: str, storage_options: Mapping[str, Any] | None = None):
     location, _ = locate(*filesystem(path, storage_options))
     if not location.exists(CONFIG_FILE):
         raise CheckpointNotFoundError(
-            "the checkpoint has no config.json; pass config= (a PretrainedConfig)", file=location.path(CONFIG_FILE)
+            "the checkpoint has no config.json; pass from_pretrained(..., config=<a PretrainedConfig>)", file=location.path(CONFIG_FILE)
         )
     size = location.size(CONFIG_FILE)
     if size > MAX_HEADER_BYTES:
@@ -123,7 +127,9 @@ def read_config(path: str, storage_options: Mapping[str, Any] | None = None):
         raise CheckpointFormatError(
             f"model_type {data['model_type']!r} is unknown to transformers", file=CONFIG_FILE
         )
-    return CONFIG_MAPPING[data["model_type"]].from_dict(data)
+    config_class = CONFIG_MAPPING[data["model_type"]]
+    # As AutoConfig reads it: floats JSON cannot hold are stored as {"__float__": "Infinity"}.
+    return config_class.from_dict(config_class._decode_special_floats(data))
 
 
 def resolve_model_class(config, model_cls: type[nn.Module] | None = None) -> type[nn.Module]:
@@ -463,6 +469,7 @@ def from_pretrained(
     config=None,
     dtype: torch.dtype = torch.float32,
     transforms: Sequence[Transform] = (),
+    distributed_config: Any = None,
     parallelize: Callable[[nn.Module], nn.Module | None] | None = None,
     loader: Loader = "dcp",
     strict: bool = True,
@@ -483,7 +490,14 @@ def from_pretrained(
         config: a ``PretrainedConfig`` instead of the checkpoint's ``config.json``.
         dtype: the model's dtype (checkpoint tensors are cast on load).
         transforms: rewrites, callables or names in :mod:`hp_dcp_hf.transforms`, applied in order.
-        parallelize: ``fn(model)`` that shards the model in place (e.g. :class:`FsdpTp`).
+        distributed_config: a transformers ``DistributedConfig`` (``tp_size``, ``ep_size``,
+            ``fsdp_size``, ``dp_replicate_size``, ``tp_plan`` / ``ep_plan`` / ``fsdp_plan``
+            overrides) or a mesh spec (``"dp=2,tp=2"``, see :mod:`hp_dcp_hf.parallel.mesh`): the
+            model is parallelized with the plans transformers ships for its class
+            (:class:`hp_dcp_hf.parallel.TransformersPlans`); what a dim left whole is warned about
+            and listed in ``report.unsharded``.
+        parallelize: ``fn(model)`` that shards the model in place, a framework's own recipe
+            (instead of ``distributed_config``).
         loader: ``"dcp"`` reads only the bytes this rank's shards need; ``"legacy"`` whole tensors.
         strict: raise when the checkpoint does not make a model tensor; with ``False`` those
             tensors get the model's own init (``report.missing_keys``, ``report.initialized_keys``).
@@ -503,6 +517,12 @@ def from_pretrained(
     """
     if reader is not None and reader_options:
         raise ValueError(f"pass reader= or reader options, not both (got {sorted(reader_options)})")
+    if distributed_config is not None:
+        if parallelize is not None:
+            raise ValueError("pass distributed_config= or parallelize=, not both")
+        from hp_dcp_hf.parallel import TransformersPlans
+
+        parallelize = TransformersPlans(distributed_config)
     seconds: dict[str, float] = {}
     clock = time.perf_counter()
 
@@ -542,5 +562,7 @@ def from_pretrained(
         plan=planner.stats,
         read=reader.stats.total(),
         seconds=seconds,
+        layout=tuple(getattr(parallelize, "applied", ())),
+        unsharded=tuple(getattr(parallelize, "unsharded", ())),
     )
     return model, report

@@ -1,0 +1,116 @@
+"""Mesh specs: ``"dp_replicate=2,dp=2,tp=2,ep=2"`` -> sizes, a transformers ``DistributedConfig``, a mesh.
+
+The dims follow transformers' ``DistributedConfig`` and torchtitan:
+
+* ``dp_replicate``: HSDP replicas (``dp_replicate_size``): whole copies of the FSDP-sharded model.
+* ``dp``: FSDP2 shards inside a replica (``fsdp_size``).
+* ``tp``: tensor parallel ranks (``tp_size``), adjacent in rank order.
+* ``ep``: expert parallel ranks (``ep_size``). EP does not add ranks: it overlays ``dp x tp`` (experts
+  are split over ``ep`` ranks and FSDP-sharded over the remaining ``dp * tp / ep``), so ``ep`` must
+  be a multiple of ``tp`` and divide ``dp * tp``. A spec with ``ep`` but no ``dp`` takes
+  ``dp = ep / tp``: ``"ep=4"`` is 4 ranks, dense weights FSDP-sharded over 4, experts split over 4.
+
+The world size is ``dp_replicate * dp * tp``. Parsing imports nothing heavy (the CLI's ``--help``
+stays fast); :func:`distributed_config` and :func:`init_mesh` import transformers / torch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+MESH_DIMS = ("dp_replicate", "dp", "tp", "ep")
+"""Known mesh dims, outermost first (tensor parallel ranks adjacent)."""
+
+DENSE_DIMS = ("dp_replicate", "dp", "tp")
+"""The dims whose product is the world size (``ep`` overlays ``dp x tp``)."""
+
+_CONFIG_FIELDS = {"dp_replicate": "dp_replicate_size", "dp": "fsdp_size", "tp": "tp_size", "ep": "ep_size"}
+
+
+class MeshSizeError(ValueError):
+    """A mesh whose size does not match the process group it is built on."""
+
+
+def parse_mesh(spec: str | Mapping[str, int]) -> dict[str, int]:
+    """``"tp=2,dp=2"`` (or a mapping) -> ``{"dp": 2, "tp": 2}`` in :data:`MESH_DIMS` order.
+
+    ``ep`` without ``dp`` fills ``dp = ep / tp``. Sizes are checked for form here; whether ``ep``
+    fits ``dp x tp`` is checked by :func:`distributed_config` (transformers' own validation).
+    """
+    if isinstance(spec, Mapping):
+        sizes = {str(k): v for k, v in spec.items()}
+    else:
+        sizes = {}
+        for part in filter(None, (p.strip() for p in spec.split(","))):
+            name, sep, value = part.partition("=")
+            name = name.strip()
+            if not sep or not value.strip().isdigit():
+                raise ValueError(f"mesh spec {spec!r}: expected name=size[,name=size], e.g. dp=2,tp=2")
+            if name in sizes:
+                raise ValueError(f"mesh spec {spec!r} names {name!r} twice")
+            sizes[name] = int(value)
+    unknown = sorted(set(sizes) - set(MESH_DIMS))
+    if unknown:
+        raise ValueError(f"mesh spec {spec!r}: unknown dims {unknown}; known: {', '.join(MESH_DIMS)}")
+    if not sizes or any(not isinstance(size, int) or size < 1 for size in sizes.values()):
+        raise ValueError(f"mesh spec {spec!r}: need at least one dim, every size an integer >= 1")
+    if "ep" in sizes and "dp" not in sizes:
+        tp = sizes.get("tp", 1)
+        if sizes["ep"] % tp:
+            raise ValueError(f"mesh spec {spec!r}: ep={sizes['ep']} must be a multiple of tp={tp}")
+        sizes["dp"] = sizes["ep"] // tp
+    return {name: sizes[name] for name in MESH_DIMS if name in sizes}
+
+
+def mesh_world_size(spec: str | Mapping[str, int]) -> int:
+    """The number of ranks a mesh spec needs: ``dp_replicate * dp * tp``."""
+    sizes = parse_mesh(spec)
+    return math.prod(sizes.get(dim, 1) for dim in DENSE_DIMS)
+
+
+def format_mesh(spec: str | Mapping[str, int]) -> str:
+    """``{"dp": 2, "tp": 2}`` -> ``"dp=2,tp=2"``."""
+    return ",".join(f"{k}={v}" for k, v in parse_mesh(spec).items())
+
+
+def check_world_size(spec: str | Mapping[str, int], world: int) -> None:
+    """Raise :class:`MeshSizeError`, with the torchrun line that fits, when ``spec`` needs other
+    than ``world`` ranks."""
+    need = mesh_world_size(spec)
+    if need != world:
+        raise MeshSizeError(
+            f"mesh {format_mesh(spec)} has {need} ranks but the process group has {world}: "
+            f"launch with `torchrun --nproc-per-node {need} ...`"
+        )
+
+
+def distributed_config(spec: str | Mapping[str, int], **options: Any):
+    """transformers' ``DistributedConfig`` of a mesh spec (``options``: its other fields, e.g.
+    ``tp_plan``, ``ep_plan``, ``fsdp_plan``, ``ep_implementation``)."""
+    from transformers import DistributedConfig
+
+    sizes = parse_mesh(spec)
+    return DistributedConfig(**{_CONFIG_FIELDS[dim]: size for dim, size in sizes.items()}, **options)
+
+
+def mesh_spec(config: Any) -> dict[str, int]:
+    """The mesh spec of a ``DistributedConfig`` (sizes > 1 only; ``{"dp": 1}`` when all are 1)."""
+    sizes = {dim: int(getattr(config, field) or 1) for dim, field in _CONFIG_FIELDS.items()}
+    return {dim: size for dim, size in sizes.items() if size > 1} or {"dp": 1}
+
+
+def init_mesh(spec: str | Mapping[str, int], device_type: str = "cpu"):
+    """The ``DeviceMesh`` of ``spec``'s dense dims over the default process group, for recipes of
+    one's own (``parallelize=``); the size must match the process group. ``ep`` is not a mesh dim
+    of its own: pass ``distributed_config=`` to :func:`hp_dcp_hf.from_pretrained` for EP."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    sizes = parse_mesh(spec)
+    if "ep" in sizes:
+        raise ValueError(f"mesh spec {format_mesh(sizes)}: ep overlays dp x tp; use distributed_config(spec) "
+                         "with from_pretrained for expert parallelism")
+    check_world_size(sizes, dist.get_world_size() if dist.is_initialized() else 1)
+    return init_device_mesh(device_type, tuple(sizes.values()), mesh_dim_names=tuple(sizes))

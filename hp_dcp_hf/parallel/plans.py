@@ -1,0 +1,260 @@
+"""Parallelize a transformers model with the TP / EP / FSDP / HSDP plans its authors ship.
+
+transformers 5 models carry ``base_model_tp_plan``, ``base_model_ep_plan`` and FSDP plans, and
+``transformers.distributed`` applies them (``apply_tensor_parallelism``,
+``apply_expert_parallelism`` with all-to-all token routing, ``apply_fully_sharded_data_parallelism``).
+:class:`TransformersPlans` runs exactly those on the meta-device skeleton, as transformers' own
+``from_pretrained(distributed_config=...)`` does before its load, with four differences, each where
+transformers would stop or stay silent:
+
+* a requested dim the model has no plan for (``tp`` on an encoder without ``base_model_tp_plan``)
+  leaves the model whole on that dim, with a warning, instead of raising;
+* attention whose head counts ``tp`` does not divide keeps its attention whole (its TP rules are
+  dropped) instead of sharding half heads, which breaks the forward;
+* scalar (0-d) parameters, which FSDP2 cannot shard, stay plain replicated tensors;
+* every dim left unsharded is reported (:attr:`TransformersPlans.unsharded`, a warning on rank 0,
+  a line in ``hp-dcp-hf plan``), so a model never ends up replicated without a word.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+from hp_dcp_hf.errors import HPDCPHFError
+from hp_dcp_hf.parallel.mesh import check_world_size, distributed_config, mesh_spec
+
+#: transformers' mesh dim names that shard along each of our dims.
+_SHARDING_MESH_DIMS = {"tp": ("tp",), "ep": ("ep",), "dp": ("fsdp", "efsdp")}
+_HEAD_ATTRIBUTES = ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads")
+
+
+class ParallelizeError(HPDCPHFError):
+    """A model cannot be parallelized as asked (not a transformers model, pipeline stages, ...)."""
+
+
+@dataclass(frozen=True)
+class Unsharded:
+    """Modules a requested mesh dim left whole, and why."""
+
+    dim: str
+    modules: tuple[str, ...]
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.dim}: {', '.join(self.modules)} not sharded: {self.reason}"
+
+
+def _wildcard(name: str) -> str:
+    from transformers.distributed.parallel_utils import replace_layer_number_by_wildcard
+
+    return replace_layer_number_by_wildcard(name)
+
+
+def _head_counts(module: nn.Module) -> dict[str, int]:
+    """The head counts an attention module splits its projections by (its own, else its config's)."""
+    config = getattr(module, "config", None)
+    counts = {}
+    for attribute in _HEAD_ATTRIBUTES:
+        value = getattr(module, attribute, None)
+        if value is None and config is not None:
+            value = getattr(config, attribute, None)
+        if isinstance(value, int) and value > 0:
+            counts[attribute] = value
+    return counts
+
+
+def _indivisible_attention(model: nn.Module, plan: Mapping[str, str], tp: int) -> dict[str, dict[str, int]]:
+    """``{attention pattern: head counts}`` for attention modules with TP rules whose head counts
+    ``tp`` does not divide."""
+    found: dict[str, dict[str, int]] = {}
+    for path, module in model.named_modules():
+        if not type(module).__name__.endswith("Attention"):
+            continue
+        pattern = _wildcard(path)
+        if pattern in found or not any(key == pattern or key.startswith(pattern + ".") for key in plan):
+            continue
+        counts = _head_counts(module)
+        if any(count % tp for count in counts.values()):
+            found[pattern] = counts
+    return found
+
+
+@contextmanager
+def scalars_set_aside(model: nn.Module) -> Iterator[list[str]]:
+    """Take every 0-d parameter out of its module for the block (FSDP2 cannot shard them) and put
+    it back after, as a plain tensor every rank holds whole; yields their names."""
+    taken = [(module, name, param) for path, module in model.named_modules()
+             for name, param in list(module._parameters.items()) if param is not None and param.dim() == 0]
+    for module, name, _ in taken:
+        del module._parameters[name]
+    try:
+        yield [name for _, name, _ in taken]
+    finally:
+        for module, name, param in taken:
+            module._parameters[name] = param
+
+
+class TransformersPlans:
+    """``parallelize=`` with transformers' own plans for the model's class and a
+    ``DistributedConfig`` (``tp_size``, ``ep_size``, ``fsdp_size``, ``dp_replicate_size`` and the
+    ``tp_plan`` / ``ep_plan`` / ``fsdp_plan`` overrides), or a mesh spec (``"dp=2,tp=2"``).
+
+    Every rank calls it inside a process group of ``dp_replicate * fsdp * tp`` ranks. After the
+    call, :attr:`applied` says what was sharded and :attr:`unsharded` what a requested dim left
+    whole, and why (also a warning on rank 0 when ``warn``).
+    """
+
+    def __init__(self, config: Any, *, warn: bool = True) -> None:
+        if isinstance(config, str | Mapping):
+            config = distributed_config(config)
+        self.config = config
+        self.warn = warn
+        self.applied: list[str] = []
+        self.unsharded: list[Unsharded] = []
+        self.mesh_manager = None
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        """The requested sizes as a mesh spec (``{"dp": 2, "tp": 2}``)."""
+        return mesh_spec(self.config)
+
+    def __call__(self, model: nn.Module) -> nn.Module:
+        from transformers.distributed.expert_parallel import apply_expert_parallelism
+        from transformers.distributed.fsdp import apply_fully_sharded_data_parallelism
+        from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+
+        cls = type(model)
+        if not hasattr(cls, "prepare_distribute_model") or not hasattr(model, "_resolve_parallel_plans"):
+            raise ParallelizeError(f"{cls.__name__} is not a transformers model with parallel plans; pass "
+                                   "parallelize= a callable of your own (e.g. built on init_mesh)")
+        if (self.config.pp_size or 1) > 1:
+            raise ParallelizeError("pipeline parallelism (pp_size > 1) is not supported by this loader")
+        check_world_size(self.sizes, dist.get_world_size() if dist.is_initialized() else 1)
+        config, _, mesh_manager = cls.prepare_distribute_model(self.config)
+        self.applied, self.unsharded, self.mesh_manager = [], [], mesh_manager
+        if mesh_manager is None:
+            self.applied.append("no parallelism: every size is 1")
+            return model
+        resolving = self._resolvable(model, config)
+        tp_plan, ep_plan, fsdp_plan = model._resolve_parallel_plans(resolving)
+
+        model.config.distributed_config = config
+        model._mesh_manager = mesh_manager
+        model._device_mesh = mesh_manager.get_mesh(("pp", "fsdp", "tp"))
+        model._is_distributed_loading_by_transformers = True
+        model._tp_size, model._fsdp_size = config.tp_size, config.fsdp_size
+        if config.tp_size > 1 and tp_plan:
+            # A tied alias (``lm_head.weight``) is listed as a parameter rule, but transformers looks
+            # parameters up without aliases: shard the tensor once and tie the alias to it again.
+            unique = {name for name, _ in model.named_parameters()}
+            aliases = {name for name, _ in model.named_parameters(remove_duplicate=False)} - unique
+            model = apply_tensor_parallelism(model, mesh_manager.get_mesh("tp"),
+                                             {k: v for k, v in tp_plan.items() if k not in aliases})
+            if aliases and hasattr(model, "tie_weights"):
+                model.tie_weights()
+            self.applied.append(f"tp={config.tp_size}: {len(tp_plan)} rules of the tp plan")
+        if config.ep_size > 1 and ep_plan:
+            if "ep_dispatch_experts" in ep_plan.values():
+                model = apply_expert_parallelism(model, mesh_manager.get_mesh("ep"), mesh_manager.get_mesh("tp"),
+                                                 ep_plan, ep_implementation=config.ep_implementation)
+                self.applied.append(f"ep={config.ep_size}: {len(ep_plan)} rules of the ep plan "
+                                    f"({config.ep_implementation} token routing)")
+            else:
+                self.unsharded.append(Unsharded("ep", tuple(sorted({_wildcard(k) for k in ep_plan})),
+                                                "the ep plan has no 'ep_dispatch_experts' rule"))
+        if config.dp_size > 1:
+            with scalars_set_aside(model) as scalars:
+                fsdp_plan = self._shard_tied_together(model, config, fsdp_plan)
+                model = apply_fully_sharded_data_parallelism(model, mesh_manager, fsdp_plan, ep_plan)
+            replicas = f" x {config.dp_replicate_size} replicas" if config.dp_replicate_size > 1 else ""
+            self.applied.append(f"fsdp={config.fsdp_size}{replicas}: {len(fsdp_plan)} modules of the fsdp plan + root")
+            if scalars:
+                self.unsharded.append(Unsharded("dp", tuple(sorted({_wildcard(n) for n in scalars})),
+                                                "scalar (0-d) parameters: FSDP2 cannot shard them, every rank holds them"))
+        self._check_sharded(model)
+        if self.warn and self.unsharded and (not dist.is_initialized() or dist.get_rank() == 0):
+            warnings.warn("parallelism left modules whole:\n  " + "\n  ".join(map(str, self.unsharded)),
+                          stacklevel=2)
+        return model
+
+    def _resolvable(self, model: nn.Module, config: Any) -> Any:
+        """The config transformers resolves the plans with: a dim the model has no plan for is
+        resolved as size 1 (transformers would raise), and attention TP rules ``tp`` cannot split
+        by whole heads are dropped. Both are recorded in :attr:`unsharded`."""
+        resolving = copy.copy(config)
+        for kind in ("tp", "ep"):
+            size = getattr(config, f"{kind}_size")
+            override = getattr(config, f"{kind}_plan")
+            plan = dict(getattr(model, f"{kind}_plan") or {})
+            if isinstance(override, dict):
+                plan = {} if kind == "tp" and not override else plan | override
+            if size > 1 and not plan:
+                self.unsharded.append(Unsharded(kind, ("*",), f"{type(model).__name__} has no {kind} plan "
+                                                f"(base_model_{kind}_plan); pass {kind}_plan= to shard it"))
+                setattr(resolving, f"{kind}_size", 1)
+                continue
+            if kind == "tp" and size > 1:
+                dropped = _indivisible_attention(model, plan, size)
+                for pattern, counts in dropped.items():
+                    plan = {k: v for k, v in plan.items() if k != pattern and not k.startswith(pattern + ".")}
+                    heads = ", ".join(f"{name}={count}" for name, count in counts.items())
+                    self.unsharded.append(Unsharded("tp", (pattern,), f"head counts ({heads}) not divisible by tp={size}"))
+                if dropped:
+                    model._tp_plan = plan
+                    resolving.tp_plan = None
+        return resolving
+
+    def _shard_tied_together(self, model: nn.Module, config: Any, fsdp_plan: dict[str, str]) -> dict[str, str]:
+        """One FSDP group for the modules of each tied pair (``embed_tokens`` and ``lm_head``);
+        returns the plan without them. transformers folds the head's rule into the embedding's
+        and then wraps the root, which owns the alias too: FSDP2 refuses a parameter two groups
+        share (transformers ties after its load, so it does not meet this; the skeleton here is
+        tied from the start)."""
+        from torch.distributed.fsdp import fully_shard
+        from transformers.distributed.fsdp import _get_fsdp_policy_kwargs
+
+        owners = []
+        for tied, source in (getattr(model, "all_tied_weights_keys", None) or {}).items():
+            try:
+                same = model.get_parameter(tied) is model.get_parameter(source)
+            except AttributeError:
+                continue
+            modules = tuple(name.rpartition(".")[0] for name in (source, tied))
+            if same and all(model.get_submodule(m) is not model for m in modules):
+                owners.append(modules)
+        if not owners:
+            return fsdp_plan
+        dims = ("dp_replicate", "fsdp") if config.dp_replicate_size > 1 else "fsdp"
+        mesh = self.mesh_manager.get_mesh(dims)
+        for modules in owners:
+            fully_shard([model.get_submodule(m) for m in modules], mesh=mesh, reshard_after_forward=False,
+                        **_get_fsdp_policy_kwargs(config))
+        grouped = {m for modules in owners for m in modules}
+        return {name: style for name, style in fsdp_plan.items() if name not in grouped}
+
+    def _check_sharded(self, model: nn.Module) -> None:
+        """Record a requested dim on which no parameter ended up sharded at all."""
+        sharded: set[str] = set()
+        for param in model.parameters():
+            if isinstance(param, DTensor):
+                names = param.device_mesh.mesh_dim_names or ()
+                sharded.update(n for n, p in zip(names, param.placements, strict=True) if isinstance(p, Shard))
+        noted = {u.dim for u in self.unsharded if u.modules == ("*",)}
+        for dim, size in self.sizes.items():
+            if dim in _SHARDING_MESH_DIMS and size > 1 and dim not in noted \
+                    and not sharded.intersection(_SHARDING_MESH_DIMS[dim]):
+                self.unsharded.append(Unsharded(dim, ("*",), f"{dim}={size} sharded no parameter"))
+
+    def describe(self) -> list[str]:
+        """``applied`` and ``unsharded`` as report lines."""
+        return [*self.applied, *(f"NOT SHARDED {u}" for u in self.unsharded)]
+
