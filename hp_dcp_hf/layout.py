@@ -91,6 +91,8 @@ def local_shard_pieces(tensor: torch.Tensor, *, key: str | None = None) -> tuple
     """The pieces this rank holds of ``tensor``: a DTensor's by its layout, a plain tensor's whole."""
     if not isinstance(tensor, DTensor):
         return shard_pieces(tensor.shape, (), (), (), key=key)
+    if tensor.numel() == 0:  # nothing to hold, whatever local shape the sharding gave (FSDP2 pads)
+        return ()
     mesh = tensor.device_mesh
     coordinate = mesh.get_coordinate()
     if coordinate is None:  # this rank is not part of the mesh: it holds nothing

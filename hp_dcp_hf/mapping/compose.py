@@ -205,6 +205,9 @@ class Composition:
         traced: dict[str, Traced] = {
             key: RegionTensor.source(key, spec.shape, spec.dtype) for key, spec in self.sources.items()
         }
+        # The checkpoint keys each name is made of, by the groups that made it (a zero-element
+        # tensor has no region to name its sources by).
+        lineage: dict[str, frozenset[str]] = {key: frozenset((key,)) for key in self.sources}
         for index, stage in enumerate(self.stages):
             known = self.views[index]
             prefix = base_model_prefix if index == 0 else None
@@ -214,18 +217,24 @@ class Composition:
             model_for_ops = model if index == len(self.stages) - 1 else known
             produced: dict[str, Traced] = {}
             producers: dict[str, Group] = {}
+            made_of: dict[str, frozenset[str]] = {}
             for group in groups:
-                outputs = self._trace_group(group, traced, model_for_ops)
+                deps = frozenset().union(*(lineage[s] for s in group.sources))
+                outputs = self._trace_group(group, traced, model_for_ops, deps)
                 group.outputs = tuple(outputs)
                 for name, value in outputs.items():
                     producers[name] = group
                     produced[name] = value
+                    made_of[name] = deps
             self.levels.append(producers)
-            traced = produced
+            traced, lineage = produced, made_of
         self.traced: dict[str, Traced] = {n: v for n, v in traced.items() if n in final_names}
+        self._lineage = {n: lineage[n] for n in self.traced}
         self.used_transforms = [t for stage in self.stages for t in stage if t.was_used()]
 
-    def _trace_group(self, group: Group, inputs: Mapping[str, Traced], model: Any) -> dict[str, Traced]:
+    def _trace_group(
+        self, group: Group, inputs: Mapping[str, Traced], model: Any, deps: frozenset[str]
+    ) -> dict[str, Traced]:
         values = [inputs[s] for s in group.sources]
         if self.trace and all(isinstance(v, RegionTensor) for v in values):
             try:
@@ -243,7 +252,6 @@ class Composition:
             raise
         except Exception as exc:  # the real op rejects these inputs: the mapping does not compose
             raise self._failure(group, inputs, exc) from exc
-        deps = frozenset().union(*(v.source_keys() for v in values))
         return {name: Opaque(t.shape, t.dtype, deps) for name, t in shapes.items()}
 
     def _failure(self, group: Group, inputs: Mapping[str, Traced], exc: Exception) -> MappingError:
@@ -251,8 +259,9 @@ class Composition:
         return MappingError(f"{group.transform} cannot convert [{shapes}]: {exc}", key=group.first_target)
 
     def source_keys(self, name: str) -> set[str]:
-        """Checkpoint keys final target ``name`` is made of."""
-        return self.traced[name].source_keys()
+        """Checkpoint keys final target ``name`` is made of (every input of the groups that made
+        it, so a zero-element target names its sources too)."""
+        return set(self._lineage[name])
 
     def evaluate(self, names: Collection[str], fetch: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
         """Real values of final targets ``names``, from checkpoint tensors given by ``fetch``.
