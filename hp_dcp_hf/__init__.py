@@ -1,11 +1,22 @@
 """hp-dcp-hf: load Hugging Face safetensors checkpoints into parallelized models through
-``torch.distributed.checkpoint``, each rank reading only the bytes its shards need."""
+``torch.distributed.checkpoint``, each rank reading only the bytes its shards need.
 
-from hp_dcp_hf.api import load_hf_checkpoint
-from hp_dcp_hf.mapping.stages import add_weight_mapping
-from hp_dcp_hf.pipeline import from_pretrained
-from hp_dcp_hf.planner import HFMappingPlanner, LoadReport
-from hp_dcp_hf.storage import HFStorageReader
+The public names are imported on first use (module ``__getattr__``), so ``import hp_dcp_hf`` and
+``python -m hp_dcp_hf --help`` do not pay for torch and transformers.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hp_dcp_hf.api import load_hf_checkpoint
+    from hp_dcp_hf.mapping.stages import add_weight_mapping
+    from hp_dcp_hf.pipeline import from_pretrained
+    from hp_dcp_hf.planner import HFMappingPlanner, LoadReport
+    from hp_dcp_hf.storage import HFStorageReader
 
 __all__ = [
     "HFMappingPlanner",
@@ -16,3 +27,28 @@ __all__ = [
     "load_hf_checkpoint",
 ]
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "HFMappingPlanner": "hp_dcp_hf.planner",
+    "HFStorageReader": "hp_dcp_hf.storage",
+    "LoadReport": "hp_dcp_hf.planner",
+    "add_weight_mapping": "hp_dcp_hf.mapping.stages",
+    "from_pretrained": "hp_dcp_hf.pipeline",
+    "load_hf_checkpoint": "hp_dcp_hf.api",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is not None:
+        value = getattr(importlib.import_module(module), name)
+        globals()[name] = value  # later lookups skip __getattr__
+        return value
+    if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        # ``hp_dcp_hf.pipeline`` and friends after a bare ``import hp_dcp_hf``, as before
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

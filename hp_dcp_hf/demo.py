@@ -9,9 +9,9 @@
    planner, recording every byte range it reads; then loads a second copy with the legacy loader
    (whole tensors, converted in memory), checks every parameter shard is bit-identical, and runs a
    forward pass through both (rank 0 also against transformers' single-process ``from_pretrained``).
-4. Prints the per-rank table, the read amplification (bytes read / bytes needed), the legacy
-   loader's bytes, whether the plan predicted the reads exactly, and draws which byte ranges of
-   each file each rank read (``reads.png``; ``reads_legacy.png`` for the legacy loader).
+4. Prints the per-rank table, the read amplification (bytes read / bytes needed) of both loaders,
+   each against the same need (the bytes the ranks' shards need), whether the plan predicted the
+   reads exactly, and draws which byte ranges of each file each rank read (``reads.png``; ``reads_legacy.png`` for the legacy loader).
 """
 
 from __future__ import annotations
@@ -40,18 +40,6 @@ DEMO_CONFIG: dict[str, Any] = dict(
 )
 SHARD_SIZE = "48MB"
 MARKER = "hp_dcp_hf_demo.json"
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", default="demo_out", help="output directory (default: ./demo_out)")
-    parser.add_argument("--cache-dir", default=None,
-                        help="where the generated checkpoint is kept (default: $HP_DCP_HF_CACHE or ~/.cache/hp_dcp_hf)")
-    parser.add_argument("--mesh", default="dp=2,tp=2", help="mesh dims (their product is the number of ranks)")
-    parser.add_argument("--transforms", default="grouped_gemm_experts", help="comma-separated rewrites")
-    parser.add_argument("--regenerate", action="store_true", help="write the checkpoint again")
-    parser.add_argument("--no-reference", action="store_true",
-                        help="skip the single-process transformers forward on rank 0")
-    parser.add_argument("--timeout", type=float, default=900, help="seconds the ranks may take")
 
 
 def _cache_dir(arg: str | None) -> Path:
@@ -94,33 +82,33 @@ def ensure_checkpoint(cache_dir: Path, regenerate: bool = False) -> tuple[Path, 
 
 
 def _rank_main(rank: int, world: int, port: int, ckpt: str, mesh_spec: str, transforms: list[str],
-               reference: bool, out_dir: str) -> None:
+               reference: bool, out_dir: str, timeout: float = 900) -> None:
     from datetime import timedelta
 
     import torch
     import torch.distributed as dist
 
-    from hp_dcp_hf.cli import RecordingReader, progress_planner
     from hp_dcp_hf.layout import local_tensor
-    from hp_dcp_hf.pipeline import FsdpTp, from_pretrained, init_mesh
+    from hp_dcp_hf.pipeline import from_pretrained
+    from hp_dcp_hf.toolkit import RecordingReader, parallelize_for, progress_planner
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=600))
+                            timeout=timedelta(seconds=timeout))
     try:
-        mesh = init_mesh(mesh_spec)
         loads: dict[str, Any] = {}
         models = {}
         layout: list[str] = []
+        coordinate: tuple[int, ...] = ()
         for loader in ("dcp", "legacy"):
-            recipe = FsdpTp(mesh)
+            parallelize = parallelize_for(mesh_spec)
             reader = RecordingReader(ckpt)
             start = time.perf_counter()
             model, report = from_pretrained(
-                ckpt, dtype=torch.float32, transforms=transforms, parallelize=recipe, loader=loader,
+                ckpt, dtype=torch.float32, transforms=transforms, parallelize=parallelize, loader=loader,
                 reader=reader, planner_cls=progress_planner(rank == 0, desc=f"rank 0, {loader} loader"),
             )
-            layout = recipe.applied
+            layout, coordinate = parallelize.describe(), parallelize.coordinate
             models[loader] = model
             loads[loader] = {
                 "bytes_needed": report.plan.bytes_needed, "bytes_read": report.read.bytes_read,
@@ -139,7 +127,7 @@ def _rank_main(rank: int, world: int, port: int, ckpt: str, mesh_spec: str, tran
             logits = models["dcp"](input_ids=ids).logits
             legacy_logits = models["legacy"](input_ids=ids).logits
         result = {
-            "rank": rank, "coordinate": list(mesh.get_coordinate() or ()), "layout": layout,
+            "rank": rank, "coordinate": list(coordinate), "layout": layout,
             "dcp": loads["dcp"], "legacy": loads["legacy"], "tensors": len(state), "mismatched": mismatched,
             "logits_equal": bool(torch.equal(logits, legacy_logits)),
             "logits_finite": bool(logits.isfinite().all()),
@@ -223,15 +211,15 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from transformers.utils import logging as hf_logging
 
-    from hp_dcp_hf.cli import _table, fmt_bytes, inspect_checkpoint, plan_ranks
-    from hp_dcp_hf.pipeline import parse_mesh
+    from hp_dcp_hf.parallel.mesh import mesh_world_size, parse_mesh
+    from hp_dcp_hf.toolkit import fmt_bytes, inspect_checkpoint, plan_ranks, table
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     torch.set_num_threads(1)
     wall = time.perf_counter()
     sizes = parse_mesh(args.mesh)
-    world = math.prod(sizes.values())
+    world = mesh_world_size(sizes)
     transforms = [t.strip() for t in args.transforms.split(",") if t.strip()]
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -259,7 +247,7 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     from hp_dcp_hf.launch import free_port
 
-    _launch(world, (free_port(), str(ckpt), args.mesh, transforms, not args.no_reference, str(out)),
+    _launch(world, (free_port(), str(ckpt), args.mesh, transforms, not args.no_reference, str(out), args.timeout),
             getattr(args, "debug", False))
     ranks_s = time.perf_counter() - start
     results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
@@ -278,14 +266,15 @@ def run(args: argparse.Namespace) -> int:
     legacy_read = sum(r["legacy"]["bytes_read"] for r in results)
     rows.append(("all", "", fmt_bytes(needed), fmt_bytes(read), sum(r["dcp"]["requests"] for r in results), "", "",
                  "", fmt_bytes(legacy_read), sum(r["legacy"]["requests"] for r in results), ""))
-    print(_table(("rank", "coord", "bytes needed", "bytes read", "requests", "load s", "read s", "GB/s",
-                  "legacy read", "legacy req", "legacy load s"), rows))
+    print(table(("rank", "coord", "bytes needed", "bytes read", "requests", "load s", "read s", "GB/s",
+                 "legacy read", "legacy req", "legacy load s"), rows))
     print("(load s: the whole dcp.load, metadata and plan exchange included; read s and GB/s: its reads)")
     print()
     checks: list[tuple[str, bool, str]] = []
-    print(f"read amplification      {read / max(needed, 1):.3f}  (bytes read / bytes needed, all ranks)")
-    print(f"legacy loader           read {fmt_bytes(legacy_read)} = {legacy_read / max(read, 1):.2f}x the dcp "
-          f"loader's {fmt_bytes(read)} (checkpoint: {fmt_bytes(info['tensor_bytes'])})")
+    print(f"read amplification      {read / max(needed, 1):.3f}  (dcp loader: bytes read / bytes the ranks' "
+          "shards need, all ranks)")
+    print(f"legacy loader           {legacy_read / max(needed, 1):.3f}  (read {fmt_bytes(legacy_read)} for the same "
+          f"{fmt_bytes(needed)} the ranks' shards need; checkpoint: {fmt_bytes(info['tensor_bytes'])})")
     predicted = all(
         (p.bytes_needed, p.bytes_to_read, p.requests) == (r["dcp"]["bytes_needed"], r["dcp"]["bytes_read"],
                                                           r["dcp"]["requests"])
@@ -333,6 +322,7 @@ def run(args: argparse.Namespace) -> int:
                   | {loader: {k: v for k, v in r[loader].items() if k != "reads"} for loader in ("dcp", "legacy")}
                   for r in results],
         "read_amplification": read / max(needed, 1), "legacy_bytes_read": legacy_read,
+        "legacy_read_amplification": legacy_read / max(needed, 1),
         "checks": {name: ok for name, ok, _ in checks},
     }, indent=2))
     print(f"{'picture':<23}      {pictures[0]} (legacy: {pictures[1].name})")

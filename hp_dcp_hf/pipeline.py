@@ -8,7 +8,8 @@
 2. **rewrite + parallelize**: every transform rewrites the model in place and records its
    weight-mapping stage (:mod:`hp_dcp_hf.transforms`); then the user's ``parallelize(model)``
    (tensor parallelism with ``parallelize_module``, FSDP2 ``fully_shard``, ...) leaves its layout
-   on every parameter. :class:`FsdpTp` is a ready recipe for decoder models.
+   on every parameter. ``distributed_config=`` applies the TP / EP / FSDP / HSDP plans transformers
+   ships for the model's class (:class:`hp_dcp_hf.parallel.TransformersPlans`).
 3. **materialize + load + finalize**: ``model.to_empty(device=...)`` allocates the local shards,
    :func:`hp_dcp_hf.load_hf_checkpoint` fills them (each rank reads only what its shards need),
    and what the checkpoint did not fill is initialized by the model's own init, exactly as
@@ -28,15 +29,12 @@ statistics and the time of every stage.
 from __future__ import annotations
 
 import json
-import math
 import time
-from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -50,7 +48,6 @@ from hp_dcp_hf.storage.stats import FileStats
 
 __all__ = [
     "CONFIG_FILE",
-    "FsdpTp",
     "PipelineError",
     "PretrainedLoadReport",
     "apply_transforms",
@@ -58,17 +55,13 @@ __all__ = [
     "checkpoint_mapping",
     "finalize",
     "from_pretrained",
-    "init_mesh",
     "materialize",
-    "parse_mesh",
     "read_config",
     "resolve_model_class",
     "resolve_transform",
 ]
 
 CONFIG_FILE = "config.json"
-MESH_DIMS = ("dp", "tp")
-"""Mesh dims the :class:`FsdpTp` recipe knows, outermost first (tensor parallel ranks adjacent)."""
 
 Transform = Callable[[nn.Module], "nn.Module | None"] | str
 
@@ -204,138 +197,6 @@ def apply_transforms(model: nn.Module, transforms: Iterable[Transform]) -> nn.Mo
         out = resolve_transform(transform)(model)
         model = out if isinstance(out, nn.Module) else model
     return model
-
-
-def parse_mesh(spec: str | Mapping[str, int]) -> dict[str, int]:
-    """``"tp=2,dp=2"`` (or a mapping) -> ``{"dp": 2, "tp": 2}`` in :data:`MESH_DIMS` order."""
-    if isinstance(spec, Mapping):
-        sizes = dict(spec)
-    else:
-        sizes = {}
-        for part in filter(None, (p.strip() for p in spec.split(","))):
-            name, sep, value = part.partition("=")
-            if not sep or not value.strip().isdigit():
-                raise ValueError(f"mesh spec {spec!r}: expected name=size[,name=size], e.g. dp=2,tp=2")
-            if name.strip() in sizes:
-                raise ValueError(f"mesh spec {spec!r} names {name.strip()!r} twice")
-            sizes[name.strip()] = int(value)
-    unknown = sorted(set(sizes) - set(MESH_DIMS))
-    if unknown:
-        raise ValueError(f"mesh spec {spec!r}: unknown dims {unknown}; known: {', '.join(MESH_DIMS)}")
-    if not sizes or any(size < 1 for size in sizes.values()):
-        raise ValueError(f"mesh spec {spec!r}: need at least one dim, every size >= 1")
-    return {name: sizes[name] for name in MESH_DIMS if name in sizes}
-
-
-def init_mesh(spec: str | Mapping[str, int], device_type: str = "cpu"):
-    """The ``DeviceMesh`` of ``spec`` over the default process group (its size must match)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    sizes = parse_mesh(spec)
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    if math.prod(sizes.values()) != world:
-        raise ValueError(f"mesh {sizes} has {math.prod(sizes.values())} ranks, the process group {world}")
-    return init_device_mesh(device_type, tuple(sizes.values()), mesh_dim_names=tuple(sizes))
-
-
-def _experts_modules(model: nn.Module) -> list[nn.Module]:
-    """Modules holding stacked MoE experts (a direct 3-D parameter)."""
-    return [m for m in model.modules() if any(p.dim() == 3 for p in m.parameters(recurse=False))]
-
-
-def _layers(model: nn.Module) -> list[nn.Module]:
-    """Transformer blocks: modules of the model's ``_no_split_modules`` classes, else the children
-    of every ``layers`` ModuleList."""
-    names = set(getattr(model, "_no_split_modules", None) or ())
-    found = [m for m in model.modules() if type(m).__name__ in names]
-    if found:
-        return found
-    return [child for name, m in model.named_modules() if name.endswith("layers") and isinstance(m, nn.ModuleList)
-            for child in m]
-
-
-class FsdpTp:
-    """Parallelize a transformers decoder model over a ``(dp, tp)`` mesh (either may be absent).
-
-    * tensor parallelism (``tp``), per block, where the forward stays right: attention
-      ``q/k/v_proj`` colwise and ``o_proj`` rowwise when both head counts divide by ``tp``; dense
-      gated MLP ``gate/up_proj`` colwise and ``down_proj`` rowwise when the intermediate size
-      divides by ``tp``. Fused projections (``qkv_proj``, ``gate_up_proj``), embeddings, the LM
-      head, routers and experts are left whole on ``tp``;
-    * FSDP2 (``dp``): ``fully_shard`` per stacked-experts module (over the *whole* mesh when
-      ``experts_over_all_ranks``, so each rank holds distinct experts' rows), per block, then the
-      root, on the ``dp`` mesh.
-
-    ``applied`` lists what was done, for reports.
-    """
-
-    def __init__(self, mesh, *, experts_over_all_ranks: bool = True) -> None:
-        self.mesh = mesh
-        self.experts_over_all_ranks = experts_over_all_ranks
-        self.applied: list[str] = []
-
-    def _sub(self, name: str):
-        names = self.mesh.mesh_dim_names or ()
-        return self.mesh[name] if name in names and self.mesh[name].size() > 1 else None
-
-    def _tp_plan(self, block: nn.Module, tp: int) -> tuple[dict[str, Any], set[str]]:
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-        plan: dict[str, Any] = {}
-        kinds: set[str] = set()
-        attn = getattr(block, "self_attn", None)
-        projections = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
-        head_dim = getattr(attn, "head_dim", None)
-        if attn is not None and head_dim and all(type(p) is nn.Linear for p in projections):
-            q, k, v, _ = projections
-            heads, kv_heads = q.out_features // head_dim, k.out_features // head_dim
-            if heads % tp == 0 and kv_heads % tp == 0 and v.out_features == k.out_features:
-                plan.update({"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
-                             "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel()})
-                kinds.add("attention")
-        mlp = getattr(block, "mlp", None)
-        gate, up, down = (getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj"))
-        if all(type(p) is nn.Linear for p in (gate, up, down)) and gate.out_features % tp == 0:
-            plan.update({"mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
-                         "mlp.down_proj": RowwiseParallel()})
-            kinds.add("mlp")
-        return plan, kinds
-
-    def __call__(self, model: nn.Module) -> nn.Module:
-        from torch.distributed.fsdp import fully_shard
-        from torch.distributed.tensor.parallel import parallelize_module
-
-        tp_mesh, dp_mesh = self._sub("tp"), self._sub("dp")
-        blocks = _layers(model)
-        if tp_mesh is not None:
-            counts: Counter[str] = Counter()
-            for block in blocks:
-                plan, kinds = self._tp_plan(block, tp_mesh.size())
-                if plan:
-                    parallelize_module(block, tp_mesh, plan)
-                    counts.update(kinds)
-            self.applied.append(
-                f"tp={tp_mesh.size()}: attention q/k/v colwise + o_proj rowwise in {counts['attention']}/{len(blocks)} "
-                f"blocks, dense MLP gate/up colwise + down_proj rowwise in {counts['mlp']}/{len(blocks)} blocks "
-                "(fused projections, experts, routers, embeddings and head stay whole on tp)"
-            )
-        experts = _experts_modules(model)
-        experts_mesh = dp_mesh
-        if experts and self.experts_over_all_ranks and self.mesh.size() > 1:
-            experts_mesh = self.mesh if self.mesh.ndim == 1 else self.mesh._flatten("_hp_experts")
-        if experts and experts_mesh is not None:
-            for module in experts:
-                fully_shard(module, mesh=experts_mesh)
-            self.applied.append(f"fsdp: {len(experts)} experts modules over {experts_mesh.size()} ranks")
-        if dp_mesh is not None:
-            for block in blocks:
-                fully_shard(block, mesh=dp_mesh)
-            fully_shard(model, mesh=dp_mesh)
-            self.applied.append(f"fsdp: {len(blocks)} blocks + root over dp={dp_mesh.size()}")
-        elif experts and experts_mesh is not None:
-            fully_shard(model, mesh=experts_mesh, reshard_after_forward=False)
-            self.applied.append("fsdp: root group (no parameters sharded)")
-        return model
 
 
 # -- stage 3 -----------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The ``hp-dcp-hf`` command line: ``inspect``, ``plan`` (text and ``--json``), errors, ``load``.
+"""The ``hp-dcp-hf`` command line: ``--help``, ``inspect``, ``plan`` (text and ``--json``), errors, ``load``.
 
 ``plan`` computes every rank's reads in one process without a process group; here its numbers are
 checked against a real 4-rank load (``hp_dcp_hf.launch.run_ranks``) of the same layout, rank by
@@ -7,6 +7,7 @@ rank: bytes needed, bytes read, ranges, requests and the byte ranges themselves.
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 import subprocess
@@ -16,8 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from hp_dcp_hf.cli import main, plan_ranks
+from hp_dcp_hf.cli import main
 from hp_dcp_hf.launch import run_ranks
+from hp_dcp_hf.toolkit import fmt_bytes, plan_ranks
 from tests.models import MODEL_TYPES, checkpoint_files, checkpoint_keys
 
 REPO = Path(__file__).resolve().parent.parent
@@ -47,6 +49,72 @@ def llama(tiny_checkpoints):
 @pytest.fixture(scope="module")
 def mixtral(tiny_checkpoints):
     return tiny_checkpoints("mixtral", torch.bfloat16, intermediate_size=48)
+
+
+# -- help --------------------------------------------------------------------------------------
+
+_HEAVY = ("torch", "transformers", "torch.distributed.checkpoint")
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["inspect", "--help"], ["plan", "--help"], ["load", "--help"],
+                                  ["demo", "--help"]])
+def test_help_imports_neither_torch_nor_transformers(argv):
+    # ``python -m hp_dcp_hf ... --help`` as a user runs it; ``-X importtime`` lists every module imported.
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "hp_dcp_hf", *argv],
+                          capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("usage: hp-dcp-hf")
+    imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    assert "hp_dcp_hf.cli" in imported  # the listing is really there
+    assert not imported & set(_HEAVY), sorted(imported & set(_HEAVY))
+
+
+def test_public_names_are_lazy_and_importable():
+    code = ("import sys, hp_dcp_hf\n"
+            "assert 'torch' not in sys.modules, 'import hp_dcp_hf imported torch'\n"
+            "from hp_dcp_hf import (HFMappingPlanner, HFStorageReader, LoadReport, add_weight_mapping,\n"
+            "                       from_pretrained, load_hf_checkpoint)\n"
+            "import hp_dcp_hf.api, hp_dcp_hf.storage\n"
+            "assert load_hf_checkpoint is hp_dcp_hf.api.load_hf_checkpoint\n"
+            "assert HFStorageReader is hp_dcp_hf.storage.HFStorageReader\n"
+            "assert all(callable(getattr(hp_dcp_hf, n)) for n in hp_dcp_hf.__all__)\n"
+            "assert set(hp_dcp_hf.__all__) <= set(dir(hp_dcp_hf))\n"
+            "assert hp_dcp_hf.pipeline.from_pretrained is from_pretrained\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    import hp_dcp_hf
+
+    with pytest.raises(AttributeError, match="no attribute 'nothing_here'"):
+        hp_dcp_hf.nothing_here  # noqa: B018
+
+
+def test_help_documents_every_default():
+    from hp_dcp_hf.cli import _HelpFormatter, build_parser
+
+    parser = build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    formatter = _HelpFormatter("hp-dcp-hf")
+    for name, command in sub.choices.items():
+        for action in command._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            text = formatter._get_help_string(action) or ""
+            assert action.help, (name, action.dest)
+            if action.option_strings:
+                assert "(default: " in text, (name, action.option_strings, text)
+        assert command.format_help()  # every %(default)s renders
+
+
+def test_transforms_help_lists_every_transform():
+    from hp_dcp_hf import transforms
+    from hp_dcp_hf.cli import TRANSFORMS, build_parser
+
+    available = {n for n in transforms.__all__ if n[:1].islower() and callable(getattr(transforms, n))}
+    assert set(TRANSFORMS) == available
+    parser = build_parser()
+    for command in ("plan", "load", "demo"):
+        text = " ".join(parser._subparsers._group_actions[0].choices[command].format_help().split())
+        assert f"available: {', '.join(sorted(available))}" in text, command
 
 
 # -- inspect -----------------------------------------------------------------------------------
@@ -131,6 +199,48 @@ def test_errors_are_one_line(capsys, llama, argv, words):
     assert words in err
 
 
+@pytest.mark.parametrize("path", ["./nope", "../nope", "nope", "a/b/c", "~/hp-dcp-hf-nope", "/nonexistent/x",
+                                  "nope.safetensors", "org/model.safetensors"])
+def test_missing_local_path_says_so_and_never_asks_the_hub(capsys, tmp_path, monkeypatch, path):
+    from hp_dcp_hf.storage import remote
+
+    def no_hub(*args, **kwargs):
+        raise AssertionError(f"{path!r} went to the Hub")
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(remote.HubBackend, "__init__", no_hub)
+    code, out, err = _run_cli(capsys, "inspect", path)
+    assert code == 1 and out == ""
+    assert err.count("\n") == 1 and "does not exist locally" in err, err
+
+
+def test_missing_bare_repo_id_names_the_local_path_and_the_hub(capsys, tmp_path, monkeypatch):
+    import huggingface_hub
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    code, out, err = _run_cli(capsys, "inspect", "some/dir")
+    assert code == 1 and out == ""
+    assert err.count("\n") == 1
+    assert "no local directory 'some/dir', and the Hub answered: HF_HUB_OFFLINE is set" in err, err
+
+
+def test_bare_repo_id_the_hub_does_not_know(capsys, tmp_path, monkeypatch):
+    import huggingface_hub
+
+    from tests.servers.fake_hub import FakeHub
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")
+    with FakeHub() as hub:
+        monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", hub.url)
+        code, out, err = _run_cli(capsys, "inspect", "org/absent")
+    assert code == 1 and out == ""
+    assert err.count("\n") == 1
+    assert "no local directory 'org/absent', and the Hub answered: not found on the Hub" in err, err
+
+
 def test_debug_shows_the_exception(capsys, llama):
     from hp_dcp_hf.errors import CheckpointNotFoundError
 
@@ -154,13 +264,28 @@ def test_plan_text(capsys, mixtral):
                               "--transforms", "fuse_qkv,grouped_gemm_experts", "--items")
     assert code == 0, err
     assert "MixtralForCausalLM on mesh dp=2,tp=2 (4 ranks)" in out
-    assert "fsdp: 2 experts modules over 4 ranks" in out
+    assert "layout: tp=2: " in out and "layout: fsdp=2: 5 modules of the fsdp plan + root" in out
     lines = out.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("rank "))
     assert [lines[header + 2 + r].split()[0] for r in range(4)] == ["0", "1", "2", "3"]
     assert "rank 3 read items:" in out
     # the rewritten names are the destinations, the checkpoint's original names the sources
     assert "mlp.experts.w13" in out and "block_sparse_moe.experts.0.w1.weight" in out
+    # the closing note: replication and coalescing apart (a memory mapping reads no holes)
+    assert "replicas read the same shards (" in out and "coalescing adds 0 B of holes" in out
+
+
+def test_plan_closing_note_names_coalescing_holes(capsys, llama):
+    code, out, err = _run_cli(capsys, "plan", str(llama.path), "--mesh", MESH, "--no-map", "--coalesce-gap", "64")
+    assert code == 0, err
+    _, out_json, _ = _run_cli(capsys, "plan", str(llama.path), "--mesh", MESH, "--no-map", "--coalesce-gap", "64",
+                              "--json")
+    ranks = json.loads(out_json)["ranks"]
+    holes = sum(r["bytes_to_read"] - r["bytes_needed"] for r in ranks)
+    assert holes > 0
+    note = out.strip().splitlines()[-1]
+    assert note.startswith("all ranks read ") and "replicas read the same shards (" in note
+    assert f"coalescing adds {fmt_bytes(holes)} of holes" in note, note
 
 
 def test_plan_json_reads_no_data_and_uses_no_process_group(capsys, llama, monkeypatch):
@@ -200,13 +325,14 @@ def test_plan_every_model_type(capsys, tiny_checkpoints, model_type):
 
 
 def _real_load(rank: int, world: int, cases: dict) -> dict:
-    from hp_dcp_hf.cli import RecordingReader
-    from hp_dcp_hf.pipeline import FsdpTp, from_pretrained, init_mesh
+    from hp_dcp_hf.pipeline import from_pretrained
+    from hp_dcp_hf.toolkit import RecordingReader, parallelize_for
 
     out = {}
     for name, (path, transforms, options) in cases.items():
         reader = RecordingReader(path, **options)
-        _, report = from_pretrained(path, transforms=transforms, parallelize=FsdpTp(init_mesh(MESH)), reader=reader)
+        parallelize = parallelize_for(MESH)
+        _, report = from_pretrained(path, transforms=transforms, parallelize=parallelize, reader=reader)
         stats = reader.stats.total()
         out[name] = {"bytes_needed": report.plan.bytes_needed, "bytes_to_read": stats.bytes_read,
                      "ranges": stats.ranges, "requests": stats.requests, "reads": sorted(reader.reads),
@@ -251,3 +377,23 @@ def test_load_single_process_json(capsys, llama):
     assert row["missing"] == row["unexpected"] == 0
     assert row["initialized"] == 2  # rotary inv_freq and original_inv_freq
     assert result["logits"]["finite"] and result["logits"]["shape"] == [2, 8, 101]
+
+
+@pytest.mark.parametrize("rank, world", [(None, None), (0, 2), (1, 2)])
+def test_load_mesh_larger_than_the_launch_names_torchrun_once(capsys, llama, monkeypatch, rank, world):
+    import torch.distributed as dist
+
+    for name, value in (("RANK", rank), ("WORLD_SIZE", world)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, str(value))
+    code, out, err = _run_cli(capsys, "load", str(llama.path), "--mesh", "dp=2,tp=2")
+    assert code == 1 and out == ""
+    assert not dist.is_initialized()  # refused before any process group
+    if rank:  # not rank 0: silent, rank 0 says it for everyone
+        assert err == ""
+        return
+    assert err.count("\n") == 1 and err.count("torchrun") == 1, err
+    assert f"launched; launch with `torchrun --nproc-per-node 4 -m hp_dcp_hf load {llama.path} --mesh dp=2,tp=2`" in err
+    assert ("1 process was launched" if world is None else "2 processes were launched") in err

@@ -123,6 +123,16 @@ class TransformersPlans:
         self.mesh_manager = None
 
     @property
+    def coordinate(self) -> tuple[int, ...]:
+        """This rank's coordinate on the requested dense dims (``dp_replicate``, ``dp``, ``tp``),
+        once the call has built the mesh; ``()`` before."""
+        if self.mesh_manager is None:
+            return ()
+        names = {"dp_replicate": "dp_replicate", "dp": "fsdp", "tp": "tp"}
+        dims = tuple(names[dim] for dim in self.sizes if dim in names)
+        return tuple(self.mesh_manager.get_mesh(dims).get_coordinate() or ()) if dims else ()
+
+    @property
     def sizes(self) -> dict[str, int]:
         """The requested sizes as a mesh spec (``{"dp": 2, "tp": 2}``)."""
         return mesh_spec(self.config)

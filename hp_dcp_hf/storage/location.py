@@ -352,6 +352,8 @@ class Backend:
 
     fs: AbstractFileSystem | None = None
     """The fsspec filesystem behind the backend, when there is one."""
+    local: bool = False
+    """Paths of this backend are this machine's local files."""
     mappable: bool = False
     """Handles of this backend map files into memory (:meth:`RangeFile.mapped`)."""
     coalesce_gap: int = REMOTE_COALESCE_GAP
@@ -370,6 +372,8 @@ class Backend:
             return posixpath.dirname(path), posixpath.basename(path)
         if self.isdir(path):
             return path, None
+        if self.local:
+            raise CheckpointNotFoundError("does not exist locally (no such file or directory)", file=path)
         raise CheckpointNotFoundError("no such file or directory", file=path)
 
     def isfile(self, path: str) -> bool:
@@ -474,7 +478,9 @@ def filesystem(
 
     ``path`` is a local path, any fsspec URL (``s3://``, ``gs://``, ``memory://``, ...), an
     ``http(s)://`` URL, ``hf://[datasets/|spaces/]org/repo[@revision][/subdir]`` or a bare Hub
-    repo id ``org/repo[@revision]`` that is not an existing local path. ``storage_options`` go to
+    repo id ``org/repo[@revision]`` that is not an existing local path. A path starting with
+    ``./``, ``../``, ``/`` or ``~``, or ending in ``.safetensors``, is always local (never a Hub
+    repo id), so a missing one fails as "does not exist locally". ``storage_options`` go to
     the backend (see :mod:`hp_dcp_hf.storage.remote` for the http and Hub ones); ``retry`` is the
     :class:`~hp_dcp_hf.storage.remote.RetryPolicy` (or its fields as a dict) of remote reads.
     """
@@ -483,7 +489,7 @@ def filesystem(
     text = os.fspath(path)
     options = dict(storage_options or {})
     policy = remote.RetryPolicy.of(retry)
-    found = remote.resolve(text, options, policy)
+    found = None if _always_local(text) else remote.resolve(text, options, policy)
     if found is not None:
         return found
     try:
@@ -495,6 +501,13 @@ def filesystem(
     except ValueError as e:
         raise CheckpointNotFoundError(f"no filesystem for this path: {e}", file=text) from e
     return remote.backend_for_filesystem(fs, policy), fspath.rstrip("/") or fspath
+
+
+def _always_local(path: str) -> bool:
+    """A path that names a local file whether or not it exists: never a Hub repo id or URL."""
+    if "://" in path or "::" in path:
+        return False
+    return path in (".", "..", "~") or path.startswith(("./", "../", "/", "~")) or path.lower().endswith(".safetensors")
 
 
 class CheckpointLocation:
@@ -552,8 +565,15 @@ class CheckpointLocation:
 def locate(fs: Backend | AbstractFileSystem, fspath: str) -> tuple[CheckpointLocation, str | None]:
     """The location of ``fspath`` and, when it names a single file, that file's name.
 
-    Remote backends may pin the location here (a Hub revision is resolved to its commit).
+    Remote backends may pin the location here (a Hub revision is resolved to its commit). A bare
+    ``org/repo`` that was no local path and that the Hub does not answer for fails naming both.
     """
     backend = as_backend(fs)
-    root, single_file = backend.locate(fspath)
+    try:
+        root, single_file = backend.locate(fspath)
+    except HPDCPHFError as e:
+        # remote.resolve gives a Hub backend its hint only for a bare repo id that is no local path
+        if not getattr(backend, "hint", ""):
+            raise
+        raise type(e)(f"no local directory {fspath!r}, and the Hub answered: {e.reason}", file=e.file, key=e.key) from e
     return CheckpointLocation(backend, root), single_file

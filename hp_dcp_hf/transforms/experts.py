@@ -110,6 +110,38 @@ def _stacked_experts(module: nn.Module) -> bool:
     return gate_up_rows % 2 == 0 and tuple(down.shape) == (experts, hidden, gate_up_rows // 2)
 
 
+#: transformers' parallel styles of the stacked experts' parameters, for the transposed ones:
+#: ``gate_up_proj [E, 2I, H]`` packed on dim 1 -> ``w13 [E, H, 2I]`` packed on the last dim;
+#: ``down_proj [E, H, I]`` sharded on the last dim -> ``w2 [E, I, H]`` on dim 1 (``colwise``
+#: shards dim -2). Expert-parallel styles (dim 0) are the same for both layouts.
+_TRANSPOSED_STYLES = {"packed_colwise": "packed_rowwise", "rowwise": "colwise", "colwise": "rowwise"}
+_RENAMED = {"gate_up_proj": "w13", "down_proj": "w2"}
+
+
+def _retarget_plans(model: nn.Module, paths: list[str]) -> None:
+    """Point the TP and EP plans on ``model`` (every module's own ``_tp_plan`` / ``_ep_plan``,
+    keys relative to it) at ``w13`` / ``w2`` of the rewritten experts at ``paths``, with the
+    styles that shard the transposed layout as the originals were sharded; the experts module's
+    own rule (``moe_tp_experts``, ``ep_dispatch_experts``: local compute, partial sums, token
+    routing) stays, since the module takes the same call."""
+    from transformers.distributed.parallel_utils import replace_layer_number_by_wildcard
+
+    for prefix, holder in model.named_modules():
+        base = f"{prefix}." if prefix else ""
+        patterns = {replace_layer_number_by_wildcard(p[len(base):]) for p in paths if p.startswith(base)}
+        for attribute, styles in (("_tp_plan", _TRANSPOSED_STYLES), ("_ep_plan", {})):
+            plan = holder.__dict__.get(attribute)
+            if not isinstance(plan, dict) or not patterns:
+                continue
+            renamed = {}
+            for key, style in plan.items():
+                pattern, _, name = key.rpartition(".")
+                if pattern in patterns and name in _RENAMED:
+                    key, style = f"{pattern}.{_RENAMED[name]}", styles.get(style, style)
+                renamed[key] = style
+            setattr(holder, attribute, renamed)
+
+
 def grouped_gemm_experts(model: ModelT) -> ModelT:
     """Replace every stacked experts module by a :class:`GroupedGemmExperts` (in place).
 
@@ -120,8 +152,9 @@ def grouped_gemm_experts(model: ModelT) -> ModelT:
         WeightConverter("experts.gate_up_proj", "experts.w13", [Transpose(1, 2)])
         WeightConverter("experts.down_proj", "experts.w2", [Transpose(1, 2)])
 
-    Expert parallelism shards dim 0 of both; tensor parallelism the intermediate dim (``Shard(2)``
-    of ``w13``, ``Shard(1)`` of ``w2``) or hidden.
+    The model's TP and EP plans (transformers') follow the rename: tensor parallelism splits the
+    intermediate dim (gate and up halves of ``w13``'s last dim each, ``Shard(1)`` of ``w2``),
+    expert parallelism dim 0 of both.
 
     Raises:
         MappingError: no experts module of transformers' plain stacked layout (e.g. a dense model,
@@ -149,4 +182,5 @@ def grouped_gemm_experts(model: ModelT) -> ModelT:
                        for p in (experts.gate_up_proj, experts.down_proj))
         model.get_submodule(parent_path).register_module(name, GroupedGemmExperts(w13, w2, experts.act_fn))
     add_weight_mapping(model, stage, source_shapes=replaced)
+    _retarget_plans(model, list(owners))
     return model

@@ -1,0 +1,333 @@
+"""What the ``hp-dcp-hf`` commands and the demo share: formatting, inspection, planning, recording.
+
+* :func:`fmt_bytes`, :func:`table`: the numbers and tables both print.
+* :func:`inspect_checkpoint`: files, tensors, dtypes, bytes and index consistency of a checkpoint.
+* :func:`parallelize_for`: the one place the parallel layout of every command is made (``plan``'s
+  fake ranks, ``load`` and the demo's ranks all call it).
+* :func:`plan_ranks`: every rank's reads without a process group and without reading tensor data.
+* :class:`RecordingReader`, :func:`progress_planner`: a reader keeping its requests, a planner
+  driving a progress bar.
+
+This module imports torch and the storage layer; :mod:`hp_dcp_hf.cli` imports it inside its
+command functions only, so ``hp-dcp-hf --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import threading
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from hp_dcp_hf.parallel.mesh import mesh_world_size, parse_mesh
+from hp_dcp_hf.storage import INDEX_FILE, HFStorageReader, ReadStats, filesystem, locate, scan
+from hp_dcp_hf.storage.stats import FileStats
+
+if TYPE_CHECKING:
+    from hp_dcp_hf.parallel import TransformersPlans
+
+__all__ = [
+    "RankPlan",
+    "RecordingReader",
+    "fmt_bytes",
+    "inspect_checkpoint",
+    "parallelize_for",
+    "plan_ranks",
+    "progress_planner",
+    "table",
+    "torch_dtype",
+]
+
+_DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def torch_dtype(name: str | torch.dtype) -> torch.dtype:
+    """``"bf16"`` / ``"bfloat16"`` / ``torch.bfloat16`` -> ``torch.bfloat16``."""
+    if isinstance(name, torch.dtype):
+        return name
+    dtype = getattr(torch, _DTYPE_ALIASES.get(name, name), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return dtype
+
+
+# -- formatting ---------------------------------------------------------------------------------
+
+
+def fmt_bytes(n: float) -> str:
+    """``1536`` -> ``1.50 KiB``."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A plain text table: first column left-aligned, the others right-aligned, a rule under the header."""
+    cells = [[str(h) for h in headers], *[[str(c) for c in row] for row in rows]]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+# -- inspect ------------------------------------------------------------------------------------
+
+
+def inspect_checkpoint(path: str) -> dict[str, Any]:
+    """Files, tensors, dtypes, bytes and index consistency of the checkpoint at ``path``."""
+    location, single = locate(*filesystem(path))
+    stats = ReadStats()
+    catalog = scan(location, single, stats)  # raises on any index / header inconsistency
+    files: dict[str, dict[str, Any]] = {
+        f: {"tensors": 0, "tensor_bytes": 0, "file_bytes": location.size(f),
+            "header_bytes": stats.per_file.get(f, FileStats()).header_bytes} for f in catalog.files
+    }
+    dtypes: dict[str, dict[str, int]] = defaultdict(lambda: {"tensors": 0, "bytes": 0})
+    for entry in catalog.entries.values():
+        files[entry.file]["tensors"] += 1
+        files[entry.file]["tensor_bytes"] += entry.nbytes
+        dtypes[entry.dtype_name]["tensors"] += 1
+        dtypes[entry.dtype_name]["bytes"] += entry.nbytes
+    has_index = single is None and location.exists(INDEX_FILE)
+    listed = set(catalog.files)
+    stray = sorted(n for n in location.list_files() if n.endswith(".safetensors") and n not in listed) \
+        if has_index else []
+    config = None
+    if location.exists("config.json"):
+        with location.open("config.json") as handle:
+            try:
+                raw = json.loads(handle.read(0, location.size("config.json")))
+                config = {k: raw.get(k) for k in ("model_type", "architectures", "torch_dtype", "dtype")
+                          if raw.get(k) is not None}
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                config = {"error": "config.json is not JSON"}
+    return {
+        "path": path,
+        "root": location.root,
+        "files": files,
+        "tensors": len(catalog.entries),
+        "tensor_bytes": sum(e.nbytes for e in catalog.entries.values()),
+        "dtypes": dict(sorted(dtypes.items())),
+        "index": {
+            "file": INDEX_FILE if has_index else None,
+            "consistent": True,  # scan() refuses any disagreement between the index and the headers
+            "keys": len(catalog.entries) if has_index else None,
+            "unlisted_files": stray,
+        },
+        "config": config,
+    }
+
+
+# -- the parallel layout ------------------------------------------------------------------------
+
+
+def parallelize_for(mesh: str | Mapping[str, int]) -> TransformersPlans:
+    """The layout of every command, for ``from_pretrained(parallelize=)``: transformers' own plans
+    over the mesh spec ``mesh`` (``"dp=2,tp=2"``, dims of :mod:`hp_dcp_hf.parallel.mesh`), on the
+    default process group. After the call its ``describe()`` lines say what it sharded and what
+    it left whole, and ``coordinate`` is this rank's place on the mesh. ``plan``, ``load`` and the
+    demo all come here, so they describe, plan and load the same layout.
+    """
+    from hp_dcp_hf.parallel import TransformersPlans
+
+    return TransformersPlans(mesh, warn=False)
+
+
+# -- plan ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class RankPlan:
+    """One rank's planned load: what it needs and the requests its reader will issue."""
+
+    rank: int
+    coordinate: tuple[int, ...]
+    targets: int = 0
+    read_items: int = 0
+    bytes_needed: int = 0
+    bytes_to_read: int = 0
+    ranges: int = 0
+    requests: int = 0
+    deferred_targets: int = 0
+    deferred_bytes: int = 0
+    files: dict[str, dict[str, int]] = field(default_factory=dict)
+    items: list[dict[str, Any]] = field(default_factory=list)
+    reads: list[tuple[str, int, int]] = field(default_factory=list)
+
+
+def _register_fake_backend() -> None:
+    """torch's ``fake`` process group backend (registered by importing its module)."""
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401
+
+
+def _clear_sharding_caches() -> None:
+    """Forget DTensor's sharding-propagation caches.
+
+    They key device meshes by value, so after a fake rank's group is gone the next rank's DTensors
+    would come back carrying the previous rank's mesh object, hence its coordinate.
+    """
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+
+
+def plan_ranks(
+    path: str,
+    mesh: str | Mapping[str, int],
+    *,
+    transforms: Sequence[str] = (),
+    dtype: str | torch.dtype = torch.float32,
+    strict: bool = True,
+    with_items: bool = False,
+    **reader_options: Any,
+) -> dict[str, Any]:
+    """Every rank's plan for loading ``path`` into the model its config describes, laid out by
+    :func:`parallelize_for` over ``mesh``; no process group, no tensor data read.
+
+    Each rank's model is built on the meta device under torch's ``fake`` process group with that
+    rank's number; its ReadItems come from :class:`HFMappingPlanner`, its requests from
+    :meth:`HFStorageReader.plan_requests` (the reader's own coalescing and staging budget).
+    """
+    import torch.distributed as dist
+
+    from hp_dcp_hf.pipeline import (
+        apply_transforms,
+        build_skeleton,
+        checkpoint_mapping,
+        read_config,
+        resolve_model_class,
+    )
+    from hp_dcp_hf.planner import HFMappingPlanner
+
+    if dist.is_initialized():
+        raise RuntimeError("plan runs without a process group; call it outside torchrun / init_process_group")
+    _register_fake_backend()
+    sizes = parse_mesh(mesh)
+    world = mesh_world_size(sizes)
+    dtype = torch_dtype(dtype)
+    reader = HFStorageReader(path, **reader_options)
+    metadata = reader.read_metadata()
+    config = read_config(path, reader.storage_options)
+    model_cls = resolve_model_class(config)
+    ranks: list[RankPlan] = []
+    layout: list[str] = []
+    for rank in range(world):
+        dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=world)
+        try:
+            parallelize = parallelize_for(sizes)
+            model = build_skeleton(config, model_cls, dtype=dtype)
+            mapping = checkpoint_mapping(model)
+            model = apply_transforms(model, transforms)
+            model = parallelize(model)
+            planner = HFMappingPlanner(model, weights_mapping=mapping, strict=strict)
+            items = planner.plan_reads(model.state_dict(), metadata)
+            coordinate = parallelize.coordinate
+            layout = parallelize.describe()
+        finally:
+            dist.destroy_process_group()
+            _clear_sharding_caches()
+        requests = reader.plan_requests(items)
+        plan = RankPlan(
+            rank, coordinate,
+            targets=planner.stats.targets, read_items=planner.stats.read_items,
+            bytes_needed=planner.stats.bytes_needed,
+            bytes_to_read=sum(r.nbytes for _, r in requests),
+            ranges=sum(len(r.pieces) for _, r in requests),
+            requests=len(requests),
+            deferred_targets=planner.stats.deferred_targets, deferred_bytes=planner.stats.deferred_bytes,
+            reads=[(f, r.start, r.end) for f, r in requests],
+        )
+        per_file: dict[str, dict[str, int]] = defaultdict(lambda: {"bytes": 0, "requests": 0})
+        for file, request in requests:
+            per_file[file]["bytes"] += request.nbytes
+            per_file[file]["requests"] += 1
+        plan.files = dict(sorted(per_file.items()))
+        if with_items:
+            plan.items = [{"key": i.storage_index.fqn, "offsets": list(i.storage_offsets),
+                           "lengths": list(i.lengths), "target": i.dest_index.fqn,
+                           "target_offsets": list(i.dest_offsets)} for i in items]
+        ranks.append(plan)
+    checkpoint_bytes = sum(e.nbytes for e in reader.entries.values())
+    return {
+        "checkpoint": path,
+        "model": model_cls.__name__,
+        "mesh": sizes,
+        "world_size": world,
+        "transforms": list(transforms),
+        "layout": layout,
+        "checkpoint_bytes": checkpoint_bytes,
+        "ranks": ranks,
+    }
+
+
+# -- load instrumentation -----------------------------------------------------------------------
+
+
+class RecordingReader(HFStorageReader):
+    """An :class:`HFStorageReader` that keeps every request it issues (``reads``: ``(file, start,
+    end)``, coalescing gaps included) and the wall time of its ``read_data`` calls."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, record_requests=True, **kwargs)
+        self.read_seconds = 0.0
+
+    @property
+    def reads(self) -> list[tuple[str, int, int]]:
+        return self.requests_log
+
+    def read_data(self, plan, planner):
+        start = time.perf_counter()
+        try:
+            return super().read_data(plan, planner)
+        finally:
+            self.read_seconds += time.perf_counter() - start
+
+
+def progress_planner(show: bool, desc: str = "rank 0 loading") -> Callable[..., Any]:
+    """A planner class whose planners drive a tqdm bar (bytes, tensors done) when ``show``."""
+    from hp_dcp_hf.planner import HFMappingPlanner
+
+    class ProgressPlanner(HFMappingPlanner):
+        def create_local_plan(self):
+            plan = super().create_local_plan()
+            self._bar = None
+            self._lock_bar = threading.Lock()
+            self._left = Counter(item.dest_index.fqn for item in plan.items)
+            self._tensors, self._done = len(self._left), 0
+            if show and plan.items:
+                from tqdm import tqdm
+
+                total = sum(self._item_bytes(item) for item in plan.items)
+                self._bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc,
+                                 dynamic_ncols=True, file=sys.stderr)
+                self._bar.set_postfix_str(f"tensors 0/{self._tensors}")
+            return plan
+
+        def _item_bytes(self, item) -> int:
+            md = self.metadata.state_dict_metadata[item.storage_index.fqn]
+            return math.prod(item.lengths) * md.properties.dtype.itemsize
+
+        def commit_tensor(self, read_item, tensor) -> None:
+            super().commit_tensor(read_item, tensor)
+            if self._bar is None:
+                return
+            with self._lock_bar:
+                self._left[read_item.dest_index.fqn] -= 1
+                if not self._left[read_item.dest_index.fqn]:
+                    self._done += 1
+                self._bar.update(self._item_bytes(read_item))
+                self._bar.set_postfix_str(f"tensors {self._done}/{self._tensors}", refresh=False)
+                if self._done == self._tensors:
+                    self._bar.close()
+                    self._bar = None
+
+    return ProgressPlanner
