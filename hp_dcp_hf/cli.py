@@ -290,7 +290,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     def layout_args(p: argparse.ArgumentParser, mesh_default: str | None) -> None:
         p.add_argument("path", help=path_help)
-        mesh_help = "mesh dims, e.g. dp=2,tp=2 (dims: dp, tp; their product is the number of ranks)"
+        mesh_help = ("mesh dims, e.g. dp=2,tp=2 or ep=4: dp_replicate (HSDP replicas), dp (FSDP), tp, ep (experts, "
+                     "overlays dp x tp); dp_replicate x dp x tp is the number of ranks; laid out with "
+                     "transformers' own plans")
         if mesh_default is None:
             mesh_help += " (default: dp=<number of processes launched>)"
         p.add_argument("--mesh", default=mesh_default, help=mesh_help)
@@ -322,7 +324,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="demo_out", help="output directory: per-rank JSON, summary.json, pictures")
     p.add_argument("--cache-dir", default=None,
                    help="where the generated checkpoint is kept (default: $HP_DCP_HF_CACHE or ~/.cache/hp_dcp_hf)")
-    p.add_argument("--mesh", default="dp=2,tp=2", help="mesh dims (their product is the number of ranks)")
+    p.add_argument("--mesh", default="dp=2,tp=2",
+                   help="mesh dims as for plan/load (dp_replicate, dp, tp, ep; dp_replicate x dp x tp ranks)")
     p.add_argument("--transforms", default="grouped_gemm_experts", help=transforms_help)
     p.add_argument("--regenerate", action="store_true", help="write the checkpoint again")
     p.add_argument("--no-reference", action="store_true",
