@@ -13,7 +13,9 @@ import copy
 import pytest
 import torch
 from torch import nn
-from transformers.core_model_loading import Concatenate, Transpose, WeightConverter
+from transformers import DistributedConfig
+from transformers.core_model_loading import Transpose, WeightConverter
+from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
 
 import hp_dcp_hf.transforms.experts as experts_mod
 from hp_dcp_hf import HFMappingPlanner, HFStorageReader, load_hf_checkpoint
@@ -21,6 +23,13 @@ from hp_dcp_hf.errors import MappingError
 from hp_dcp_hf.mapping.stages import recorded_stages
 from hp_dcp_hf.transforms import FusedSlice, GroupedGemmExperts, fuse_gate_up, fuse_qkv, grouped_gemm_experts
 from hp_dcp_hf.transforms._fusion import scoped_stage
+from hp_dcp_hf.transforms.tp import (
+    AFTER_FUSED_STYLE,
+    FUSED_STYLE,
+    ConcatenateByRank,
+    fused_without_tp_layout,
+    rank_major,
+)
 from tests.models import build_model, model_class, tiny_config
 
 QKV, GATE_UP, EXPERTS = fuse_qkv, fuse_gate_up, grouped_gemm_experts
@@ -112,14 +121,18 @@ def test_recorded_stages():
     model = _build("qwen3_moe")
     expected = []
     fuse_qkv(model)
+    layouts = {f"model.layers.{i}.self_attn.qkv_proj.weight": layer.self_attn.qkv_proj._hp_layout
+               for i, layer in enumerate(model.model.layers)}
     expected.append([WeightConverter(["self_attn.q_proj.weight", "self_attn.k_proj.weight",
-                                      "self_attn.v_proj.weight"], "self_attn.qkv_proj.weight", [Concatenate(dim=0)])])
+                                      "self_attn.v_proj.weight"], "self_attn.qkv_proj.weight",
+                                     [ConcatenateByRank(dim=0, layouts=layouts)])])
     grouped_gemm_experts(model)
     expected.append([WeightConverter("experts.gate_up_proj", "experts.w13", [Transpose(1, 2)]),
                      WeightConverter("experts.down_proj", "experts.w2", [Transpose(1, 2)])])
     fuse_gate_up(model)
+    dense = {"model.layers.0.mlp.gate_up_proj.weight": model.model.layers[0].mlp.gate_up_proj._hp_layout}
     expected.append([WeightConverter(["mlp.gate_proj.weight", "mlp.up_proj.weight"], "mlp.gate_up_proj.weight",
-                                     [Concatenate(dim=0)])])
+                                     [ConcatenateByRank(dim=0, layouts=dense)])])
     assert [_describe(s) for s in recorded_stages(model)] == [_describe(s) for s in expected]
 
 
@@ -284,3 +297,122 @@ def test_load_into_rewritten_meta_model_is_exact(case, checkpoints, pretrained):
     own = sum(state[k].numel() * reader.entries[next(iter(planner.composition.source_keys(k)))].itemsize
               for k in planner.filled)
     assert reader.stats.total().bytes_read == planner.stats.bytes_needed == own
+
+
+# --- tensor-parallel layouts: the TP plan follows the fusion ------------------------------------------
+
+
+def test_tp_plans_name_the_fused_linears():
+    model = _build("llama")
+    fuse_qkv(model)
+    fuse_gate_up(model)
+    assert model._tp_plan == {
+        "lm_head": "colwise_gather_output", "model.embed_tokens": "embedding_rowwise",
+        "model.layers.*.self_attn.qkv_proj": FUSED_STYLE, "model.layers.*.self_attn.o_proj": AFTER_FUSED_STYLE,
+        "model.layers.*.mlp.gate_up_proj": FUSED_STYLE, "model.layers.*.mlp.down_proj": AFTER_FUSED_STYLE,
+    }
+    assert model.model._tp_plan == {  # the base model's own plan (keys relative to it) follows too
+        "embed_tokens": "embedding_rowwise",
+        "layers.*.self_attn.qkv_proj": FUSED_STYLE, "layers.*.self_attn.o_proj": AFTER_FUSED_STYLE,
+        "layers.*.mlp.gate_up_proj": FUSED_STYLE, "layers.*.mlp.down_proj": AFTER_FUSED_STYLE,
+    }
+    attention = model.model.layers[1].self_attn
+    assert attention.o_proj._hp_after is attention.qkv_proj._hp_layout
+    # transformers resolves it to concrete parameters, every style known to it
+    tp_plan, _, _ = model._resolve_parallel_plans(DistributedConfig(tp_size=2))
+    assert tp_plan["model.layers.1.self_attn.qkv_proj.bias"] == FUSED_STYLE
+    assert tp_plan["model.layers.1.mlp.gate_up_proj.weight"] == FUSED_STYLE
+    assert not [k for k in tp_plan if k.endswith((".q_proj", ".k_proj", ".v_proj", ".gate_proj", ".up_proj"))]
+    assert fused_without_tp_layout(model) == []
+    # a deep copy shares its layouts between its modules and its recorded stage, not with the original
+    twin = copy.deepcopy(model)
+    layout = twin.model.layers[1].self_attn.qkv_proj._hp_layout
+    assert layout is not attention.qkv_proj._hp_layout and twin.model.layers[1].self_attn.o_proj._hp_after is layout
+    (op,) = recorded_stages(twin)[0][0].operations
+    assert op.layouts["model.layers.1.self_attn.qkv_proj.weight"] is layout
+
+
+def test_tp_rules_stay_for_modules_a_fusion_left_alone():
+    model = _build("llama")
+    model.model.layers[1].self_attn.k_proj = nn.Linear(30, 20, bias=True)
+    fuse_qkv(model)
+    plan = model._tp_plan
+    assert plan["model.layers.*.self_attn.qkv_proj"] == FUSED_STYLE
+    # layer 1 keeps colwise q/k/v; the same wildcard names layer 0's slices, which the style skips
+    skip = {plan[f"model.layers.*.self_attn.{p}"] for p in ("q_proj", "k_proj", "v_proj")}
+    assert skip == {"colwise_hp_skip_fused_slices"}
+    style = ALL_PARALLEL_STYLES["colwise_hp_skip_fused_slices"]
+    fused_slice = model.model.layers[0].self_attn.q_proj
+    assert style.install_forward(fused_slice, mesh=None) is fused_slice and "forward" not in vars(fused_slice)
+    assert model.model.layers[1].self_attn.o_proj.__dict__.get("_hp_after") is None  # plain rowwise there
+
+
+def test_parts_sharded_otherwise_leave_the_fused_linear_whole():
+    model = _build("llama")
+    model._tp_plan = {"model.layers.*.mlp.gate_proj": "colwise_rep", "model.layers.*.mlp.up_proj": "colwise",
+                      "model.layers.*.mlp.down_proj": "rowwise"}
+    fuse_gate_up(model)
+    assert model._tp_plan == {"model.layers.*.mlp.down_proj": AFTER_FUSED_STYLE}
+    reason = ("the TP plan shards its parts by {'model.layers.*.mlp.gate_proj': 'colwise_rep', "
+              "'model.layers.*.mlp.up_proj': 'colwise'}, which the fusion cannot follow")
+    assert fused_without_tp_layout(model) == [(f"model.layers.{i}.mlp.gate_up_proj", reason) for i in (0, 1)]
+    assert model.model.layers[0].mlp.gate_up_proj._hp_layout.decide(2).tp == 1
+
+
+@pytest.mark.parametrize(("rewrite", "overrides", "tp", "reason"), [
+    (QKV, {}, 2, None),
+    (QKV, {}, 4, "2 key/value heads not divisible by tp=4"),
+    (QKV, dict(num_attention_heads=3, num_key_value_heads=3, hidden_size=45), 2, "3 query heads not divisible by tp=2"),
+    (GATE_UP, {}, 2, "intermediate size 43 not divisible by tp=2"),
+    (GATE_UP, dict(intermediate_size=42), 3, None),
+], ids=["qkv-tp2", "qkv-kv-tp4", "qkv-3heads-tp2", "gate_up-43-tp2", "gate_up-42-tp3"])
+def test_fused_layout_decides_by_whole_heads(rewrite, overrides, tp, reason):
+    model = build_model("llama", dtype=torch.float32, **overrides)
+    rewrite(model)
+    name = "qkv_proj" if rewrite is QKV else "gate_up_proj"
+    layout = getattr(model.model.layers[0], "self_attn" if rewrite is QKV else "mlp").get_submodule(name)._hp_layout
+    assert layout.decide(tp) is layout and layout.decide(tp).reason == reason
+    assert layout.tp == (1 if reason else tp)
+    total = sum(layout.rows)
+    assert layout.local_rows(total) == list(layout.rows)
+    if not reason:
+        assert layout.local_rows(total // tp) == [rows // tp for rows in layout.rows]
+    with pytest.raises(ValueError, match=f"laid out for tp={tp} already"):
+        layout.decide(tp + 1)
+
+
+def test_rank_major_order():
+    q, k, v = torch.arange(8), torch.arange(8, 12), torch.arange(12, 16)
+    fused = torch.cat([q, k, v])
+    assert rank_major(fused, (8, 4, 4), 1) is fused
+    assert rank_major(fused, (8, 4, 4), 2).tolist() == [0, 1, 2, 3, 8, 9, 12, 13, 4, 5, 6, 7, 10, 11, 14, 15]
+
+
+def test_load_in_rank_major_order_is_exact(checkpoints, pretrained):
+    # What a TP plan settles (rows grouped by rank, tp=2) without the sharding: the recorded stage
+    # makes the rank-major order, traced (no deferred group), bit for bit, reading each byte once.
+    ckpt = checkpoints["llama"]
+    with torch.device("meta"):
+        model = model_class("llama")(tiny_config("llama", **ckpt.overrides)).float()
+    fuse_qkv(model)
+    fuse_gate_up(model)
+    layouts = [m._hp_layout.decide(2) for m in model.modules() if hasattr(m, "_hp_layout")]
+    assert [layout.tp for layout in layouts] == [2, 1, 2, 1]  # gate/up: 43 rows each
+    model.to_empty(device="cpu")
+    model.tie_weights()
+    reader = HFStorageReader(str(ckpt.path), coalesce_gap=0)
+    planner = HFMappingPlanner(model)
+    load_hf_checkpoint(model, str(ckpt.path), reader=reader, planner=planner)
+    reference = pretrained["llama"].state_dict()
+    state = model.state_dict()
+    for name, value in state.items():
+        if ".qkv_proj." in name:
+            parts = [reference[name.replace("qkv_proj", p)] for p in ("q_proj", "k_proj", "v_proj")]
+            expected = torch.cat([t.chunk(2)[rank] for rank in range(2) for t in parts])
+        elif ".gate_up_proj." in name:
+            expected = torch.cat([reference[name.replace("gate_up_proj", p)] for p in ("gate_proj", "up_proj")])
+        else:
+            expected = reference[name]
+        assert torch.equal(value, expected), name
+    assert planner.stats.deferred_targets == 0
+    assert reader.stats.total().bytes_read == planner.stats.bytes_needed

@@ -172,6 +172,7 @@ class TransformersPlans:
             if aliases and hasattr(model, "tie_weights"):
                 model.tie_weights()
             self.applied.append(f"tp={config.tp_size}: {len(tp_plan)} rules of the tp plan")
+            self._record_fused_left_whole(model)
         if config.ep_size > 1 and ep_plan:
             if "ep_dispatch_experts" in ep_plan.values():
                 model = apply_expert_parallelism(model, mesh_manager.get_mesh("ep"), mesh_manager.get_mesh("tp"),
@@ -250,6 +251,16 @@ class TransformersPlans:
                         **_get_fsdp_policy_kwargs(config))
         grouped = {m for modules in owners for m in modules}
         return {name: style for name, style in fsdp_plan.items() if name not in grouped}
+
+    def _record_fused_left_whole(self, model: nn.Module) -> None:
+        """Fused projections (:mod:`hp_dcp_hf.transforms`) the tp plan left whole, by reason."""
+        from hp_dcp_hf.transforms.tp import fused_without_tp_layout
+
+        by_reason: dict[str, set[str]] = {}
+        for path, reason in fused_without_tp_layout(model):
+            by_reason.setdefault(reason, set()).add(_wildcard(path))
+        for reason, patterns in by_reason.items():
+            self.unsharded.append(Unsharded("tp", tuple(sorted(patterns)), f"fused projection without a TP layout: {reason}"))
 
     def _check_sharded(self, model: nn.Module) -> None:
         """Record a requested dim on which no parameter ended up sharded at all."""

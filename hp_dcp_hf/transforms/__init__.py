@@ -5,10 +5,15 @@ parallelization) and records exactly one stage with :func:`hp_dcp_hf.add_weight_
 :class:`hp_dcp_hf.HFMappingPlanner` loads the original checkpoint straight into the rewritten
 layout; no loader code per rewrite. They compose in any order.
 
-* :func:`fuse_qkv`: attention ``q_proj``/``k_proj``/``v_proj`` -> ``qkv_proj`` (``Concatenate``).
-* :func:`fuse_gate_up`: dense MLP ``gate_proj``/``up_proj`` -> ``gate_up_proj`` (``Concatenate``).
+* :func:`fuse_qkv`: attention ``q_proj``/``k_proj``/``v_proj`` -> ``qkv_proj`` (``ConcatenateByRank``).
+* :func:`fuse_gate_up`: dense MLP ``gate_proj``/``up_proj`` -> ``gate_up_proj`` (``ConcatenateByRank``).
 * :func:`grouped_gemm_experts`: stacked experts ``gate_up_proj``/``down_proj`` -> ``w13``/``w2``
   transposed for grouped GEMM (``Transpose(1, 2)``).
+
+The fusions also retarget the model's transformers TP plan (``model._tp_plan``) to the fused
+Linears, so transformers' ``maybe_distribute_model`` shards them by whole heads; see
+:mod:`hp_dcp_hf.transforms.tp` (styles, the rank-major row order, and
+:func:`~hp_dcp_hf.transforms.tp.fused_without_tp_layout` for the fused projections left whole).
 """
 
 from hp_dcp_hf.transforms._fusion import FusedSlice

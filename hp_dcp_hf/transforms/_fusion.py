@@ -8,7 +8,9 @@ splits the result, hands each slice to the :class:`FusedSlice` that stands where
 was, and then runs the original forward. The slices hold no parameters, so the state dict names
 only the fused Linear; they hold their value for one call only, so nothing is kept between calls.
 (Like FSDP2's classes, the swapped classes are made at run time: whole-model pickling does not
-work; ``deepcopy`` and ``state_dict`` do.)
+work; ``deepcopy`` and ``state_dict`` do.) Under tensor parallelism the fused Linear's local output
+is this rank's rows of each part (``[q_r | k_r | v_r]``, :mod:`hp_dcp_hf.transforms.tp`), split
+by the local sizes its layout gives.
 
 Also here: the checks every rewrite shares (before any module is touched) and the choice of
 pattern scopes, verified with transformers' own matcher to rename exactly the rewritten keys.
@@ -76,7 +78,12 @@ class _FusedForward:
         try:
             for fused_name, names in self._hp_fusions.items():
                 parts = [getattr(self, name) for name in names]
-                outputs = getattr(self, fused_name)(x).split([p.stop - p.start for p in parts], dim=-1)
+                fused = getattr(self, fused_name)
+                projected = fused(x)
+                layout = getattr(fused, "_hp_layout", None)
+                sizes = ([p.stop - p.start for p in parts] if layout is None
+                         else layout.local_rows(projected.shape[-1]))  # under TP: this rank's rows of each part
+                outputs = projected.split(sizes, dim=-1)
                 for part, out in zip(parts, outputs, strict=True):
                     part._fed = (x, out)
                     slices.append(part)
@@ -99,11 +106,14 @@ def _fused_class(cls: type[nn.Module]) -> type[nn.Module]:
     return _FUSED_CLASSES[cls]
 
 
-def fuse_linears(owner: nn.Module, names: Sequence[str], fused_name: str) -> None:
+def fuse_linears(owner: nn.Module, names: Sequence[str], fused_name: str, layout: Any = None) -> None:
     """Replace the Linears ``owner.<names>`` by one ``owner.<fused_name>`` (rows in that order).
 
     The fused Linear takes the place of the first one among ``owner``'s children (state dict order
     follows) and holds the old values when they exist (nothing is materialized on ``meta``).
+    ``layout`` (a :class:`hp_dcp_hf.transforms.tp.FusedLayout`) goes on the fused Linear as
+    ``_hp_layout``: its TP styles read and settle it, and the owner's forward splits the output by
+    it (this rank's rows of each part under TP).
     """
     linears: list[nn.Linear] = [getattr(owner, name) for name in names]
     first = linears[0]
@@ -115,6 +125,8 @@ def fuse_linears(owner: nn.Module, names: Sequence[str], fused_name: str) -> Non
         if has_bias:
             fused.bias = nn.Parameter(torch.cat([lin.bias for lin in linears]),
                                       requires_grad=first.bias.requires_grad)
+    if layout is not None:
+        fused._hp_layout = layout
     stops = list(itertools.accumulate(lin.out_features for lin in linears))
     slices = {name: FusedSlice(fused_name, stop - lin.out_features, stop)
               for name, lin, stop in zip(names, linears, stops, strict=True)}
@@ -196,11 +208,22 @@ def find_modules(model: nn.Module, accept: Callable[[nn.Module], bool]) -> dict[
     return {path: module for path, module in model.named_modules() if path and accept(module)}
 
 
-def fuse_sibling_linears(model: nn.Module, names: Sequence[str], fused_name: str, rewrite: str) -> list[str]:
+def fuse_sibling_linears(
+    model: nn.Module,
+    names: Sequence[str],
+    fused_name: str,
+    rewrite: str,
+    *,
+    layout: Callable[[nn.Module, list[nn.Linear]], Any] | None = None,
+    operations: Callable[[dict[str, Any]], list[Any]] | None = None,
+) -> dict[str, nn.Module]:
     """Fuse ``names`` into ``fused_name`` in every module that has them; record the one stage.
 
-    Returns the paths of the modules rewritten. Everything is checked before anything changes:
-    a model with no such module, or tensors already sharded, raise :class:`MappingError`.
+    ``layout(owner, linears)`` makes each fused Linear's layout (see :func:`fuse_linears`);
+    ``operations(layouts)`` the converter's ops, given the layout of each target name of its scope
+    (default ``[Concatenate(dim=0)]``). Returns ``{path: module}`` of the modules rewritten.
+    Everything is checked before anything changes: a model with no such module, or tensors already
+    sharded, raise :class:`MappingError`.
     """
     owners = find_modules(model, lambda m: same_linears(m, names) and not hasattr(m, fused_name))
     if not owners:
@@ -211,15 +234,22 @@ def fuse_sibling_linears(model: nn.Module, names: Sequence[str], fused_name: str
         tensors = {f"{n}.{kind}": t for n in names for kind, t in getattr(owner, n).named_parameters()}
         check_rewritable(path, tensors)
         renamed |= {f"{path}.{key}": f"{path}.{fused_name}.{key.rsplit('.', 1)[1]}" for key in tensors}
+    layouts = {path: layout(owner, [getattr(owner, n) for n in names]) if layout else None
+               for path, owner in owners.items()}
+    paths = {id(owner): path for path, owner in owners.items()}
 
     def converters(scope: str, modules: list[nn.Module]) -> list[WeightTransform]:
         biased = any(getattr(m, names[0]).bias is not None for m in modules)
-        return [WeightConverter([f"{scope}.{n}.{kind}" for n in names], f"{scope}.{fused_name}.{kind}",
-                                [Concatenate(dim=0)]) for kind in ("weight", "bias")[: 1 + biased]]
+        out: list[WeightTransform] = []
+        for kind in ("weight", "bias")[: 1 + biased]:
+            targets = {f"{paths[id(m)]}.{fused_name}.{kind}": layouts[paths[id(m)]] for m in modules}
+            ops = operations(targets) if operations else [Concatenate(dim=0)]
+            out.append(WeightConverter([f"{scope}.{n}.{kind}" for n in names], f"{scope}.{fused_name}.{kind}", ops))
+        return out
 
     stage = scoped_stage(model, owners, converters, renamed)
     replaced = {name: tuple(model.get_parameter(name).shape) for name in renamed}
-    for owner in owners.values():
-        fuse_linears(owner, names, fused_name)
+    for path, owner in owners.items():
+        fuse_linears(owner, names, fused_name, layouts[path])
     add_weight_mapping(model, stage, source_shapes=replaced)
-    return list(owners)
+    return owners

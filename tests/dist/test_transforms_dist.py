@@ -18,8 +18,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from hp_dcp_hf import HFMappingPlanner, HFStorageReader, load_hf_checkpoint
 from hp_dcp_hf.errors import MappingError
-from hp_dcp_hf.transforms import fuse_gate_up, fuse_qkv, grouped_gemm_experts
 from hp_dcp_hf.launch import run_ranks
+from hp_dcp_hf.transforms import fuse_gate_up, fuse_qkv, grouped_gemm_experts
 from tests.dist.layouts import apply_layout
 from tests.models import model_class, tiny_config
 
