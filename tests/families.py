@@ -48,12 +48,14 @@ import torch
 from tests.models import _randomize_
 
 __all__ = [
+    "DIST_FAMILIES",
     "FAMILIES",
     "FAMILY_OVERRIDES",
     "MOE_FAMILIES",
     "UNBUILDABLE",
     "build_family_model",
     "is_moe",
+    "conversion_op_kinds",
     "conversion_table_types",
     "family_model_class",
     "load_family_reference",
@@ -1125,6 +1127,33 @@ UNBUILDABLE: dict[str, str] = {
     "inkling_mm_model": "needs the scipy package (ModuleNotFoundError: No module named 'scipy')",
     "timm_wrapper": "needs the timm package (ImportError: TimmWrapperModel requires the timm library)",
 }
+
+#: The 2-rank family matrix (``tests/dist/test_families_dist.py``): a few families whose checkpoint
+#: conversions together use every kind of op of the table at least twice where two families have
+#: it, with and without a tp plan (a greedy cover of :func:`conversion_op_kinds`; every family of
+#: the table loads in one process in ``tests/test_families.py``, which also checks this cover).
+DIST_FAMILIES: tuple[str, ...] = (
+    "kimi_k25", "inkling2_loop", "inkling2_loop_text", "molmo2", "gte", "sarvam_moe", "ernie4_5_vl_moe",
+    "jev", "dory", "step3p7", "qwen3_vl_moe",
+)
+
+
+def conversion_op_kinds(model_type: str) -> frozenset[str]:
+    """The kinds of transform in a family's checkpoint conversion mapping (``WeightRenaming``,
+    each op class of its ``WeightConverter`` s), plus ``"tp plan"`` or ``"no tp plan"``."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter
+
+    with torch.device("meta"):
+        model = family_model_class(model_type)._from_config(tiny_family_config(model_type))
+    kinds = {"tp plan" if getattr(model, "_tp_plan", None) else "no tp plan"}
+    for transform in get_model_conversion_mapping(model, key_mapping=None, hf_quantizer=None):
+        if isinstance(transform, WeightConverter):
+            kinds.update(type(op).__name__ for op in transform.operations)
+        else:
+            kinds.add(type(transform).__name__)
+    return frozenset(kinds)
+
 
 #: Families with stacked experts (a 3-D parameter under an ``experts`` module).
 MOE_FAMILIES: frozenset[str] = frozenset(

@@ -19,6 +19,7 @@ A family that transformers loads but this project does not is a bug of the proje
 
 from __future__ import annotations
 
+import functools
 import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -29,11 +30,13 @@ import torch
 
 import hp_dcp_hf
 from tests.families import (
+    DIST_FAMILIES,
     FAMILIES,
     MAX_CHECKPOINT_BYTES,
     MOE_FAMILIES,
     UNBUILDABLE,
     build_family_model,
+    conversion_op_kinds,
     conversion_table_types,
     family_model_class,
     is_moe,
@@ -98,6 +101,11 @@ class FamilyCheckpoint:
     moe: bool
 
 
+@functools.cache
+def _dist_op_kinds() -> frozenset[str]:
+    return frozenset().union(*(conversion_op_kinds(family) for family in DIST_FAMILIES))
+
+
 @pytest.fixture(scope="module", params=FAMILIES)
 def family(request: pytest.FixtureRequest) -> str:
     return request.param
@@ -126,6 +134,12 @@ def test_family_checkpoint_roundtrips(
     size = sum(t.numel() * t.element_size() for t in family_checkpoint.written.values())
     assert size <= MAX_CHECKPOINT_BYTES
     assert family_checkpoint.moe == (family_checkpoint.model_type in MOE_FAMILIES)
+
+
+def test_family_conversions_run_on_ranks(family: str) -> None:
+    """Every kind of conversion op this family uses also runs in the 2-rank matrix."""
+    assert set(DIST_FAMILIES) <= set(FAMILIES)
+    assert not conversion_op_kinds(family) - _dist_op_kinds()
 
 
 def test_family_loads_bit_identical(

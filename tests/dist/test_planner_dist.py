@@ -77,7 +77,7 @@ def results(request, tiny_checkpoints):
     world = request.param
     paths = {m: str(tiny_checkpoints(m, torch.bfloat16).path) for m in MODEL_TYPES}
     cases = _cases(world, paths)
-    per_rank = run_ranks(world, _run_cases, cases, timeout=600)
+    per_rank = run_ranks(world, _run_cases, cases, timeout=400)  # inside pytest's 600 s
     return world, cases, per_rank
 
 
