@@ -65,3 +65,8 @@ class PlanningError(HPDCPHFError):
 
 class MissingKeysError(PlanningError):
     """``strict=True`` and some model tensors are not produced by the checkpoint."""
+
+
+class QuantizationError(CheckpointFormatError):
+    """A quantized checkpoint this loader cannot read as values: unknown ``quant_method``, a weight
+    without its scales, a scale grid that does not fit its weight."""

@@ -28,6 +28,7 @@ statistics and the time of every stage.
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -163,8 +164,15 @@ def build_skeleton(
     dtype: torch.dtype = torch.float32,
     model_kwargs: Mapping[str, Any] | None = None,
 ) -> nn.Module:
-    """Stage 1: the canonical, unparallelized model on the meta device, tied weights tied."""
+    """Stage 1: the canonical, unparallelized model on the meta device, tied weights tied.
+
+    A ``quantization_config`` describes the checkpoint, not this model (its parameters are
+    ``dtype``; the planner dequantizes on load): the model's config goes without it.
+    """
     kwargs = dict(model_kwargs or {})
+    if getattr(config, "quantization_config", None) is not None:
+        config = copy.deepcopy(config)
+        del config.quantization_config
     with torch.device("meta"):
         if hasattr(model_cls, "_from_config"):
             model = model_cls._from_config(config, dtype=dtype, **kwargs)

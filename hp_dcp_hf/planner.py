@@ -10,6 +10,7 @@ shard. Everything is validated in ``create_local_plan``, before the reader write
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections import defaultdict
 from collections.abc import Collection, Mapping, Sequence
@@ -22,16 +23,20 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Tenso
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from transformers.core_model_loading import WeightTransform, dot_natural_key
 
+from hp_dcp_hf.box import Box
 from hp_dcp_hf.errors import MappingError, MissingKeysError, PlanningError
 from hp_dcp_hf.layout import ShardPiece, local_shard_pieces, local_tensor
 from hp_dcp_hf.mapping.blocks import ReadBlock, read_blocks
 from hp_dcp_hf.mapping.compose import Composition, Opaque, TensorSpec
+from hp_dcp_hf.mapping.quantized import BlockScaled, block_scaled_tensors, dequantized_sources
 from hp_dcp_hf.mapping.stages import model_stages, recorded_source_shapes
 from hp_dcp_hf.perf import paused_gc
+from hp_dcp_hf.storage.catalog import QUANTIZATION_CONFIG
 
 logger = logging.getLogger(__name__)
 
 _STAGING_PREFIX = "hp_dcp_hf.staging/"
+_QUANTIZED_PREFIX = "hp_dcp_hf.quantized/"
 
 
 def _sorted(names: Collection[str]) -> tuple[str, ...]:
@@ -69,6 +74,18 @@ class _Destination:
     def view(self) -> torch.Tensor:
         return self.tensor.as_strided(self.sizes, self.strides, self.offset)
 
+
+@dataclass
+class _Dequantization:
+    """One box of a quantized weight: its bytes and its scale blocks are read apart (two items),
+    and once both are in, their values go to ``destination``."""
+
+    target: str
+    destination: _Destination
+    tensor: BlockScaled
+    box: Box
+    parts: dict[str, torch.Tensor] = field(default_factory=dict)  # checkpoint key -> bytes as read
+    committed: int = 0
 
 
 def _castable(source: torch.dtype, target: torch.dtype) -> bool:
@@ -118,7 +135,9 @@ class HFMappingPlanner(LoadPlanner):
         self.stats = PlanStats()
         self.composition = composition
         self.filled: tuple[str, ...] = ()  # the state dict keys written (one per tied group)
+        self.quantized: dict[str, BlockScaled] = {}  # quantized checkpoint weights read as values
         self._destinations: dict[ReadItem, _Destination] = {}
+        self._dequantizations: dict[ReadItem, _Dequantization] = {}
         self._staging: dict[str, torch.Tensor] = {}
         self._waiting: dict[str, set[str]] = {}  # deferred target -> checkpoint keys still being read
         self._deferred: dict[str, tuple[torch.Tensor, tuple[ShardPiece, ...], frozenset[str]]] = {}
@@ -151,6 +170,13 @@ class HFMappingPlanner(LoadPlanner):
         raise PlanningError("a safetensors checkpoint holds no byte items", key=read_item.storage_index.fqn)
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        dequantization = self._dequantizations.get(read_item)
+        if dequantization is not None:
+            key = read_item.storage_index.fqn
+            raw = torch.empty(tuple(read_item.lengths), dtype=self.metadata.state_dict_metadata[key].properties.dtype)
+            with self._lock:
+                dequantization.parts[key] = raw
+            return raw
         staging_key = read_item.dest_index.fqn.removeprefix(_STAGING_PREFIX)
         if staging_key != read_item.dest_index.fqn:
             with self._lock:
@@ -161,6 +187,14 @@ class HFMappingPlanner(LoadPlanner):
         return self._destinations[read_item].view()
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        dequantization = self._dequantizations.get(read_item)
+        if dequantization is not None:
+            with self._lock:
+                dequantization.committed += 1
+                ready = dequantization.committed == 2
+            if ready:
+                self._dequantize(dequantization)
+            return
         staging_key = read_item.dest_index.fqn.removeprefix(_STAGING_PREFIX)
         if staging_key == read_item.dest_index.fqn:
             with self._lock:
@@ -180,11 +214,13 @@ class HFMappingPlanner(LoadPlanner):
     # -- planning -----------------------------------------------------------------------------
     def plan_reads(self, state_dict: Mapping[str, Any], metadata: Metadata) -> list[ReadItem]:
         """Validate everything and return this rank's ReadItems (no byte is read or written)."""
-        sources = {
+        stored = {
             key: TensorSpec(tuple(md.size), md.properties.dtype)
             for key, md in metadata.state_dict_metadata.items()
             if isinstance(md, TensorStorageMetadata) and key not in self.claimed_source_keys
         }
+        self.quantized, consumed = self._quantized(stored, state_dict, metadata)
+        sources = dequantized_sources(stored, self.quantized, consumed)
         unknown = self.external_target_fqns - set(state_dict)
         if unknown:
             raise PlanningError(f"external targets absent from the model: {_sorted(unknown)}")
@@ -218,10 +254,29 @@ class HFMappingPlanner(LoadPlanner):
                                    f"{list(_sorted(missing))}")
         used = set().union(*(composition.source_keys(n) for n in fill))
         self.report = LoadReport(_sorted(loaded), _sorted(missing), _sorted(set(sources) - used))
-        items = self._make_items(composition, state_dict, fill, sources)
+        items = self._make_items(composition, state_dict, fill, stored)
         if isinstance(self.model, nn.Module):
             self.model._weight_conversions = composition.used_transforms
         return items
+
+    def _quantized(
+        self, stored: Mapping[str, TensorSpec], state_dict: Mapping[str, Any], metadata: Metadata
+    ) -> tuple[dict[str, BlockScaled], frozenset[str]]:
+        """The checkpoint's quantized weights to read as values, and the companions that consumes.
+
+        None when the checkpoint is not quantized, or when the model keeps quantized parameters
+        with their scales (it then loads them as stored).
+        """
+        planner_data = metadata.planner_data if isinstance(metadata.planner_data, Mapping) else {}
+        quantization_config = planner_data.get(QUANTIZATION_CONFIG)
+        if not quantization_config:
+            return {}, frozenset()
+        model_type = getattr(getattr(self.model, "config", None), "model_type", None)
+        quantized, consumed = block_scaled_tensors(quantization_config, stored, model_type=model_type)
+        scale_suffixes = {q.scale.rpartition(".")[2] for q in quantized.values()}
+        if any(name.rpartition(".")[2] in scale_suffixes for name in state_dict):
+            return {}, frozenset()
+        return quantized, consumed
 
     def _alias_groups(self, state_dict: Mapping[str, Any]) -> list[tuple[str, ...]]:
         """State dict keys grouped by the tensor they share (tied weights)."""
@@ -256,6 +311,8 @@ class HFMappingPlanner(LoadPlanner):
                                + "\n  ".join(problems))
 
     def _make_items(self, composition: Composition, state_dict, fill, sources) -> list[ReadItem]:
+        """This rank's items; ``sources`` are the checkpoint tensors as stored (bytes are counted
+        in their dtypes: a quantized weight's box costs its quantized bytes plus its scale blocks)."""
         items: list[ReadItem] = []
         staged: set[str] = set()
         source_ndim = {key: len(spec.shape) for key, spec in sources.items()}
@@ -268,6 +325,10 @@ class HFMappingPlanner(LoadPlanner):
             stats.targets += 1
             traced = composition.traced[target]
             if isinstance(traced, Opaque):
+                quantized = sorted(traced.sources & set(self.quantized))
+                if quantized:
+                    raise MappingError(f"quantized {quantized} feed a conversion that cannot be traced; "
+                                       "it would need their whole values dequantized first", key=target)
                 self._waiting[target] = set(traced.sources)
                 self._deferred[target] = (tensor, pieces, traced.sources)
                 stats.deferred_targets += 1
@@ -283,6 +344,13 @@ class HFMappingPlanner(LoadPlanner):
             local = local_tensor(tensor)
             for piece in pieces:
                 for block in read_blocks(traced, piece.global_box, piece.local_offsets, source_ndim):
+                    if block.key in self.quantized:
+                        for item in self._dequantization_items(target, local, block):
+                            items.append(item)
+                            nbytes = math.prod(item.lengths) * sources[item.storage_index.fqn].dtype.itemsize
+                            stats.bytes_by_key[item.storage_index.fqn] = (
+                                stats.bytes_by_key.get(item.storage_index.fqn, 0) + nbytes)
+                        continue
                     item = self._item(target, block.origin, block.key, block.source_box.offsets,
                                       torch.Size(block.source_box.sizes))
                     self._destinations[item] = self._destination(local, block)
@@ -296,6 +364,30 @@ class HFMappingPlanner(LoadPlanner):
             logger.warning("%d targets need conversions that cannot be traced; %d bytes are read whole "
                            "and converted in memory", stats.deferred_targets, stats.deferred_bytes)
         return items
+
+    def _dequantization_items(self, target: str, local: torch.Tensor, block: ReadBlock) -> tuple[ReadItem, ReadItem]:
+        """The weight box of ``block`` and the scale blocks covering it, two items of one
+        :class:`_Dequantization` (their destinations are raw buffers, see ``resolve_tensor``)."""
+        tensor = self.quantized[block.key]
+        scale_box = tensor.scale_box(block.source_box)
+        dest = _QUANTIZED_PREFIX + target
+        weight = self._item(dest, block.origin, tensor.weight, block.source_box.offsets,
+                            torch.Size(block.source_box.sizes))
+        scale = self._item(dest, block.origin, tensor.scale, scale_box.offsets, torch.Size(scale_box.sizes))
+        dequantization = _Dequantization(target, self._destination(local, block), tensor, block.source_box)
+        self._dequantizations[weight] = self._dequantizations[scale] = dequantization
+        return weight, scale
+
+    def _dequantize(self, dequantization: _Dequantization) -> None:
+        tensor = dequantization.tensor
+        values = tensor.dequantize(
+            dequantization.parts[tensor.weight], dequantization.parts[tensor.scale], dequantization.box
+        )
+        with torch.no_grad():
+            dequantization.destination.view().copy_(values)
+        with self._lock:
+            dequantization.parts.clear()
+            self.touched_targets.add(dequantization.target)
 
     @staticmethod
     def _item(dest: str, dest_offsets, key: str, offsets, lengths: torch.Size) -> ReadItem:

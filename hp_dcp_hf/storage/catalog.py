@@ -19,6 +19,7 @@ import json
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 from hp_dcp_hf.errors import CheckpointFormatError, CheckpointNotFoundError, UnsafeCheckpointError
 from hp_dcp_hf.storage.dtypes import lookup_dtype
@@ -27,6 +28,10 @@ from hp_dcp_hf.storage.location import CheckpointLocation, FileVersion
 from hp_dcp_hf.storage.stats import ReadStats
 
 INDEX_FILE = "model.safetensors.index.json"
+CONFIG_FILE = "config.json"
+QUANTIZATION_CONFIG = "hp_dcp_hf.quantization_config"
+"""The key of ``Metadata.planner_data`` under which the reader hands ``config.json``'s
+``quantization_config`` to the planner (see :mod:`hp_dcp_hf.mapping.quantized`)."""
 SAFETENSORS_SUFFIX = ".safetensors"
 _UNSAFE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 _CONVERT_HINT = (
@@ -45,12 +50,15 @@ class Catalog:
 
     ``versions``: each file as it was when its header was read (size and version tag); a
     :class:`~hp_dcp_hf.storage.location.CheckpointLocation` given them checks data reads against them.
+    ``quantization_config``: the ``quantization_config`` of the directory's ``config.json``, if any
+    (a quantized checkpoint's tensors only mean something with it).
     """
 
     root: str
     files: tuple[str, ...]
     entries: Mapping[str, TensorEntry]
     versions: Mapping[str, FileVersion] = field(default_factory=dict)
+    quantization_config: Mapping[str, Any] | None = None
 
     def to_json(self) -> bytes:
         entries = [
@@ -59,7 +67,8 @@ class Catalog:
         ]
         versions = {file: version.to_json() for file, version in self.versions.items()}
         return json.dumps(
-            {"root": self.root, "files": list(self.files), "entries": entries, "versions": versions}
+            {"root": self.root, "files": list(self.files), "entries": entries, "versions": versions,
+             "quantization_config": self.quantization_config}
         ).encode()
 
     @classmethod
@@ -72,7 +81,7 @@ class Catalog:
             for key, file, name, shape, start, n in data["entries"]
         }
         versions = {file: FileVersion.from_json(value) for file, value in data.get("versions", {}).items()}
-        return cls(data["root"], tuple(data["files"]), entries, versions)
+        return cls(data["root"], tuple(data["files"]), entries, versions, data.get("quantization_config"))
 
 
 def _check_index_file_name(name: object, key: str) -> str:
@@ -119,9 +128,17 @@ def find_files(
     location: CheckpointLocation, single_file: str | None, stats: ReadStats
 ) -> tuple[tuple[str, ...], dict[str, str] | None]:
     """The safetensors files of the checkpoint and, when it has an index, its weight_map."""
+    files, weight_map, _ = _find(location, single_file, stats)
+    return files, weight_map
+
+
+def _find(
+    location: CheckpointLocation, single_file: str | None, stats: ReadStats
+) -> tuple[tuple[str, ...], dict[str, str] | None, list[str]]:
+    """:func:`find_files`, plus the names of every file of the directory (none for a single file)."""
     if single_file is not None:
         if single_file.endswith(SAFETENSORS_SUFFIX):
-            return (single_file,), None
+            return (single_file,), None, []
         if _is_unsafe(single_file):
             raise UnsafeCheckpointError(_CONVERT_HINT, file=single_file)
         raise CheckpointFormatError("not a .safetensors file", file=single_file)
@@ -133,10 +150,10 @@ def find_files(
             if not location.exists(file):
                 key = next(k for k, f in weight_map.items() if f == file)
                 raise CheckpointNotFoundError(f"{INDEX_FILE} maps keys to a missing file", file=file, key=key)
-        return files, weight_map
+        return files, weight_map, names
     files = tuple(name for name in names if name.endswith(SAFETENSORS_SUFFIX))
     if files:
-        return files, None
+        return files, None, names
     if any(_is_unsafe(name) for name in names):
         raise UnsafeCheckpointError(_CONVERT_HINT, file=location.root)
     raise CheckpointNotFoundError("directory holds no .safetensors files", file=location.root)
@@ -176,8 +193,23 @@ def scan(
     Each file's version is the one recorded when its size was asked for the header read (no
     request of its own), and that header read is itself checked against it.
     """
-    files, weight_map = find_files(location, single_file, stats)
+    files, weight_map, names = _find(location, single_file, stats)
     with ThreadPoolExecutor(max(1, min(num_threads, len(files)))) as pool:
         headers = list(pool.map(lambda file: read_header(location, file, stats), files))
     versions = {file: location.version(file) for file in files}
-    return Catalog(location.root, files, _collect(headers, weight_map), versions)
+    quantization = _read_quantization_config(location, stats) if CONFIG_FILE in names else None
+    return Catalog(location.root, files, _collect(headers, weight_map), versions, quantization)
+
+
+def _read_quantization_config(location: CheckpointLocation, stats: ReadStats) -> dict[str, Any] | None:
+    """The ``quantization_config`` object of the directory's ``config.json`` (None without one)."""
+    size = location.size(CONFIG_FILE)
+    if size > MAX_HEADER_BYTES:
+        raise CheckpointFormatError(f"{size} bytes exceeds the {MAX_HEADER_BYTES}-byte cap", file=CONFIG_FILE)
+    with location.open(CONFIG_FILE) as handle:
+        raw = handle.read(0, size)
+    stats.add(CONFIG_FILE, header_bytes=size, header_requests=1)
+    quantization = loads_json_object(raw, file=CONFIG_FILE).get("quantization_config")
+    if quantization is not None and not isinstance(quantization, dict):
+        raise CheckpointFormatError("quantization_config is not an object", file=CONFIG_FILE)
+    return quantization

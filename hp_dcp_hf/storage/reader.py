@@ -41,7 +41,7 @@ from hp_dcp_hf.box import Box
 from hp_dcp_hf.errors import HPDCPHFError, PlanningError, StorageReadError
 from hp_dcp_hf.perf import paused_gc
 from hp_dcp_hf.storage.broadcast import share_from_rank0, should_broadcast
-from hp_dcp_hf.storage.catalog import Catalog, find_files, scan
+from hp_dcp_hf.storage.catalog import QUANTIZATION_CONFIG, Catalog, find_files, scan
 from hp_dcp_hf.storage.header import TensorEntry
 from hp_dcp_hf.storage.location import CheckpointLocation, RangeFile, filesystem, locate
 from hp_dcp_hf.storage.ranges import (
@@ -286,6 +286,8 @@ class HFStorageReader(StorageReader):
             storage_data[MetadataIndex(key, origin)] = entry
         return Metadata(
             state_dict_metadata=state_dict_metadata,
+            # The planner needs it to read quantized tensors as their values (see mapping.quantized).
+            planner_data={QUANTIZATION_CONFIG: catalog.quantization_config},
             storage_data=storage_data,
             storage_meta=StorageMeta(checkpoint_id=self.path, load_id=self.load_id),
         )

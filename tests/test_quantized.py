@@ -1,0 +1,194 @@
+"""FP8 block-scaled checkpoints load into bf16 models as their dequantized values, in one process.
+
+The oracle is transformers' ``from_pretrained`` of the dequantized twin (``tests/quantized.py``):
+the values transformers' own ``Fp8Dequantize`` gives on whole tensors, then its conversions. The
+tiny DeepSeek-V3 has ceil scale grids everywhere (blocks of 16: the MLA ``kv_a_proj_with_mqa`` has
+17 rows, ``q_a_proj`` 19, hidden size 44), per-expert FP8 weights that the conversion merges into
+stacked experts, float32 scales; the tiny Qwen3-MoE has bf16 scales, stored in a file of their own.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import hp_dcp_hf
+from hp_dcp_hf.box import Box
+from hp_dcp_hf.errors import QuantizationError
+from hp_dcp_hf.mapping.quantized import BlockScaled
+from hp_dcp_hf.toolkit import plan_ranks
+from tests.families import family_model_class, load_family_reference
+from tests.quantized import FP8, dequantize_reference, make_fp8_checkpoint, quantize_fp8
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+CHECKPOINTS = {  # name -> (model type, make_fp8_checkpoint options)
+    "deepseek_v3": ("deepseek_v3", {}),
+    "qwen3_moe-bf16-scales-apart": ("qwen3_moe", {"scale_dtype": torch.bfloat16, "scales_apart": True}),
+}
+
+
+@pytest.fixture(scope="module", params=list(CHECKPOINTS))
+def fp8(request, tmp_path_factory):
+    model_type, options = CHECKPOINTS[request.param]
+    checkpoint = make_fp8_checkpoint(model_type, tmp_path_factory.mktemp(request.param), **options)
+    return model_type, checkpoint, load_family_reference(checkpoint.twin, model_type, torch.bfloat16)
+
+
+# -- the dequantize step --------------------------------------------------------------------------
+
+
+def test_scale_box_covers_the_weight_box():
+    tensor = BlockScaled("w", "w_scale_inv", (16, 8))
+    assert tensor.scale_box(Box((24, 0), (24, 17))) == Box((1, 0), (2, 3))  # rows [24, 48) -> [1, 3)
+    assert tensor.scale_box(Box((3, 16, 40), (1, 1, 1))) == Box((3, 1, 5), (1, 1, 1))  # experts dim kept
+    assert tensor.scale_box(Box((16, 8), (16, 8))) == Box((1, 1), (1, 1))
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16, torch.uint8])
+def test_dequantize_matches_transformers_on_whole_tensors(scale_dtype):
+    """On a divisible grid, transformers' op runs as is: bit-identical, E8M0 ``uint8`` scales too."""
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    torch.manual_seed(0)
+    q = (torch.randn(3, 32, 48) * 50).to(FP8)
+    scale = torch.randint(110, 130, (3, 2, 3), dtype=torch.uint8) if scale_dtype == torch.uint8 else (
+        torch.rand(3, 2, 3) + 0.01).to(scale_dtype)
+    expected = Fp8Dequantize(None)._dequantize_one(q, scale, output_dtype=torch.float32)
+    actual = BlockScaled("w", "s", (16, 16)).dequantize(q, scale, Box.full(q.shape))
+    assert torch.equal(actual, expected)
+
+
+def test_every_box_of_a_ceil_grid_dequantizes_alike():
+    """Boxes at any offsets (borders inside scale blocks) give the whole tensor's values there."""
+    torch.manual_seed(1)
+    weight = torch.randn(2, 37, 45)
+    q, scale = quantize_fp8(weight, (16, 16))
+    whole = dequantize_reference(q, scale, (16, 16), dtype=torch.float32)
+    tensor = BlockScaled("w", "s", (16, 16))
+    generator = torch.Generator().manual_seed(2)
+    for _ in range(50):
+        lo = [int(torch.randint(0, n, (1,), generator=generator)) for n in q.shape]
+        size = [int(torch.randint(1, n - o + 1, (1,), generator=generator)) for n, o in zip(q.shape, lo)]
+        box = Box(tuple(lo), tuple(size))
+        sbox = tensor.scale_box(box)
+        values = tensor.dequantize(q[box.slices()], scale[sbox.slices()], box)
+        assert torch.equal(values, whole[box.slices()]), box
+
+
+# -- loads ------------------------------------------------------------------------------------------
+
+
+def test_loads_like_transformers(fp8):
+    model_type, checkpoint, reference = fp8
+    model, report = hp_dcp_hf.from_pretrained(str(checkpoint.path), dtype=torch.bfloat16,
+                                              model_cls=family_model_class(model_type))
+    state = model.state_dict()
+    assert set(state) == set(reference)
+    assert all(state[k].dtype == v.dtype for k, v in reference.items())
+    assert {state[k].dtype for k in checkpoint.quantized if k in state} == {torch.bfloat16}
+    assert not sorted(k for k, v in reference.items() if not torch.equal(state[k], v))
+    assert report.missing_keys == () and report.unexpected_keys == ()  # scales are consumed
+    assert report.plan.bytes_needed == report.read.bytes_read
+
+
+def test_read_volume_is_every_stored_byte_once(fp8):
+    """One process reads the whole checkpoint: each FP8 weight's bytes and its scales exactly once."""
+    _, checkpoint, _ = fp8
+    plan = plan_ranks(str(checkpoint.path), "dp=1", dtype=torch.bfloat16)
+    assert plan["ranks"][0].bytes_needed == plan["checkpoint_bytes"]
+
+
+def test_row_shards_read_the_scale_blocks_covering_them(tmp_path_factory):
+    """dp=4 splits the 19 rows of ``q_a_proj`` as 5/5/5/4: borders inside the 16-row scale blocks.
+    Each rank reads exactly its weight rows and the scale rows ``[a // 16, ceil(b / 16))``."""
+    checkpoint = make_fp8_checkpoint("deepseek_v3", tmp_path_factory.mktemp("rows"))
+    plan = plan_ranks(str(checkpoint.path), "dp=4", dtype=torch.bfloat16, with_items=True)
+    key = "model.layers.0.self_attn.q_a_proj.weight"
+    for rank, rank_plan in enumerate(plan["ranks"]):
+        lo, hi = 5 * rank, min(5 * rank + 5, 19)
+        weight = [i for i in rank_plan.items if i["key"] == key]
+        scale = [i for i in rank_plan.items if i["key"] == key + "_scale_inv"]
+        assert sorted((i["offsets"], i["lengths"]) for i in weight) == [([lo, 0], [hi - lo, 44])]
+        first, end = lo // 16, -(-hi // 16)
+        assert [(i["offsets"], i["lengths"]) for i in scale] == [([first, 0], [end - first, 3])]
+
+
+def test_transformers_reads_a_divisible_checkpoint_as_we_do(tmp_path):
+    """Where transformers can dequantize the checkpoint itself (every grid divides its weight), its
+    ``from_pretrained`` gives our values: the twin oracle is the real thing."""
+    checkpoint = make_fp8_checkpoint(
+        "deepseek_v3", tmp_path, block=(4, 4),
+        select=lambda key, t: key.endswith("proj.weight") and t.ndim == 2 and t.shape[0] % 4 == 0 and t.shape[1] % 4 == 0,
+    )
+    cls = family_model_class("deepseek_v3")
+    theirs = cls.from_pretrained(checkpoint.path, dtype=torch.bfloat16).state_dict()
+    ours, _ = hp_dcp_hf.from_pretrained(str(checkpoint.path), dtype=torch.bfloat16, model_cls=cls)
+    twin = load_family_reference(checkpoint.twin, "deepseek_v3", torch.bfloat16)
+    assert len(checkpoint.quantized) >= 10
+    for key, value in ours.state_dict().items():
+        assert torch.equal(value, theirs[key]) and torch.equal(value, twin[key]), key
+
+
+# -- bad input ----------------------------------------------------------------------------------------
+
+
+def _edit(checkpoint_path, destination, edit_tensors=None, edit_config=None):
+    shutil.copytree(checkpoint_path, destination)
+    if edit_tensors is not None:
+        index = json.loads((destination / "model.safetensors.index.json").read_text())
+        for file in sorted(set(index["weight_map"].values())):
+            tensors = load_file(destination / file)
+            edited = edit_tensors(dict(tensors))
+            save_file(edited, destination / file, metadata={"format": "pt"})
+            for key in set(tensors) - set(edited):
+                del index["weight_map"][key]
+        (destination / "model.safetensors.index.json").write_text(json.dumps(index))
+    if edit_config is not None:
+        config = json.loads((destination / "config.json").read_text())
+        edit_config(config)
+        (destination / "config.json").write_text(json.dumps(config))
+    return destination
+
+
+SCALE = "model.layers.0.self_attn.kv_a_proj_with_mqa.weight_scale_inv"
+
+
+@pytest.mark.parametrize("case", ["missing scale", "grid", "quant_method", "block size"])
+def test_bad_quantized_checkpoints_raise_before_any_write(case, tmp_path):
+    checkpoint = make_fp8_checkpoint("deepseek_v3", tmp_path / "good")
+    edits = {
+        "missing scale": ({"edit_tensors": lambda t: {k: v for k, v in t.items() if k != SCALE}},
+                          SCALE.removesuffix("_scale_inv"), "without its scales"),
+        "grid": ({"edit_tensors": lambda t: {k: (v[:1] if k == SCALE else v) for k, v in t.items()}},
+                 SCALE.removesuffix("_scale_inv"), "does not fit"),
+        "quant_method": ({"edit_config": lambda c: c["quantization_config"].update(quant_method="nonsense")},
+                         None, "nonsense"),
+        "block size": ({"edit_config": lambda c: c["quantization_config"].update(weight_block_size=[16])},
+                       None, "weight_block_size"),
+    }
+    options, key, reason = edits[case]
+    bad = _edit(checkpoint.path, tmp_path / "bad", **options)
+    model = family_model_class("deepseek_v3")._from_config(
+        hp_dcp_hf.pipeline.read_config(str(checkpoint.twin)), dtype=torch.bfloat16)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(QuantizationError) as raised:
+        hp_dcp_hf.load_hf_checkpoint(model, str(bad))
+    assert reason in str(raised.value)
+    assert raised.value.key == key
+    if key is None:
+        assert raised.value.file == "config.json"
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_the_loaded_model_is_not_quantized(fp8):
+    """The checkpoint's quantization_config stays with the checkpoint: the bf16 model's config has none."""
+    model_type, checkpoint, _ = fp8
+    model, _ = hp_dcp_hf.from_pretrained(str(checkpoint.path), dtype=torch.bfloat16,
+                                         model_cls=family_model_class(model_type))
+    assert getattr(model.config, "quantization_config", None) is None
+    assert json.loads((checkpoint.path / "config.json").read_text())["quantization_config"]["quant_method"] == "fp8"
