@@ -71,6 +71,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                                      for k, v in info["dtypes"].items()))
     print(f"total      {info['tensors']} tensors, {fmt_bytes(info['tensor_bytes'])} ({info['tensor_bytes']} bytes) "
           f"in {len(info['files'])} files")
+    quantized = info["quantization"]
+    if quantized and "error" in quantized:
+        print(f"quantized  {quantized['format']}: NOT READABLE AS VALUES: {quantized['error']}")
+    elif quantized:
+        print(f"quantized  {quantized['format']}: {quantized['weights']} weights ({fmt_bytes(quantized['weight_bytes'])}) "
+              f"with their scales ({fmt_bytes(quantized['scale_bytes'])}); a floating-point model gets their values")
     index = info["index"]
     if index["file"]:
         line = f"index      {index['file']}: {index['keys']} keys in {len(info['files'])} files, consistent with the headers"
@@ -107,8 +113,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     rows = [(r.rank, ",".join(map(str, r.coordinate)), r.targets, r.read_items, fmt_bytes(r.bytes_needed),
              fmt_bytes(r.bytes_to_read), r.ranges, r.requests,
              f"{r.deferred_targets} ({fmt_bytes(r.deferred_bytes)})") for r in ranks]
-    print(table(("rank", "coord", "targets", "items", "bytes needed", "bytes to read", "ranges", "requests",
-                 "deferred"), rows))
+    header = ("rank", "coord", "targets", "items", "bytes needed", "bytes to read", "ranges", "requests", "deferred")
+    if result["quantization"]:
+        print(f"  quantized checkpoint ({result['quantization']}): read as values, weight boxes with their scale blocks")
+        rows = [(*row, fmt_bytes(r.quantized_bytes), fmt_bytes(r.scale_bytes)) for row, r in zip(rows, ranks)]
+        header = (*header, "quantized", "scales")
+    print(table(header, rows))
     total = sum(r.bytes_to_read for r in ranks)
     needed = sum(r.bytes_needed for r in ranks)
     checkpoint = max(1, result["checkpoint_bytes"])

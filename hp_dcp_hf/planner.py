@@ -62,6 +62,8 @@ class PlanStats:
     deferred_targets: int = 0
     deferred_bytes: int = 0
     bytes_by_key: dict[str, int] = field(default_factory=dict)
+    quantized_bytes: int = 0  # of bytes_needed: quantized weights, as stored
+    scale_bytes: int = 0  # of bytes_needed: the scale blocks that dequantize them
 
 
 @dataclass(frozen=True)
@@ -345,11 +347,16 @@ class HFMappingPlanner(LoadPlanner):
             for piece in pieces:
                 for block in read_blocks(traced, piece.global_box, piece.local_offsets, source_ndim):
                     if block.key in self.quantized:
-                        for item in self._dequantization_items(target, local, block):
-                            items.append(item)
-                            nbytes = math.prod(item.lengths) * sources[item.storage_index.fqn].dtype.itemsize
-                            stats.bytes_by_key[item.storage_index.fqn] = (
-                                stats.bytes_by_key.get(item.storage_index.fqn, 0) + nbytes)
+                        weight, scale = self._dequantization_items(target, local, block)
+                        for item in (weight, scale):
+                            key = item.storage_index.fqn
+                            nbytes = math.prod(item.lengths) * sources[key].dtype.itemsize
+                            stats.bytes_by_key[key] = stats.bytes_by_key.get(key, 0) + nbytes
+                            if item is weight:
+                                stats.quantized_bytes += nbytes
+                            else:
+                                stats.scale_bytes += nbytes
+                        items += [weight, scale]
                         continue
                     item = self._item(target, block.origin, block.key, block.source_box.offsets,
                                       torch.Size(block.source_box.sizes))

@@ -26,8 +26,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from hp_dcp_hf.errors import QuantizationError
 from hp_dcp_hf.parallel.mesh import mesh_world_size, parse_mesh
 from hp_dcp_hf.storage import INDEX_FILE, HFStorageReader, ReadStats, filesystem, locate, scan
+from hp_dcp_hf.storage.catalog import QUANTIZATION_CONFIG, Catalog
 from hp_dcp_hf.storage.stats import FileStats
 
 if TYPE_CHECKING:
@@ -97,6 +99,7 @@ def inspect_checkpoint(path: str) -> dict[str, Any]:
         files[entry.file]["tensor_bytes"] += entry.nbytes
         dtypes[entry.dtype_name]["tensors"] += 1
         dtypes[entry.dtype_name]["bytes"] += entry.nbytes
+    quantized = _quantized_tensors(catalog)
     has_index = single is None and location.exists(INDEX_FILE)
     listed = set(catalog.files)
     stray = sorted(n for n in location.list_files() if n.endswith(".safetensors") and n not in listed) \
@@ -124,6 +127,29 @@ def inspect_checkpoint(path: str) -> dict[str, Any]:
             "unlisted_files": stray,
         },
         "config": config,
+        "quantization": quantized,
+    }
+
+
+def _quantized_tensors(catalog: Catalog) -> dict[str, Any] | None:
+    """The checkpoint's quantization, and how many weights and bytes are quantized (or why the
+    loader cannot read them as values)."""
+    if not catalog.quantization_config:
+        return None
+    from hp_dcp_hf.mapping.compose import TensorSpec
+    from hp_dcp_hf.mapping.quantized import block_scaled_tensors
+
+    out: dict[str, Any] = {"format": _quantization(catalog.quantization_config)}
+    specs = {key: TensorSpec(e.shape, e.dtype) for key, e in catalog.entries.items()}
+    try:
+        tensors, consumed = block_scaled_tensors(catalog.quantization_config, specs)
+    except QuantizationError as e:
+        return out | {"error": str(e)}
+    return out | {
+        "weights": len(tensors),
+        "weight_bytes": sum(catalog.entries[k].nbytes for k in tensors),
+        "scale_bytes": sum(catalog.entries[t.scale].nbytes for t in tensors.values()),
+        "other_companions": len(consumed) - len(tensors),
     }
 
 
@@ -159,6 +185,8 @@ class RankPlan:
     requests: int = 0
     deferred_targets: int = 0
     deferred_bytes: int = 0
+    quantized_bytes: int = 0
+    scale_bytes: int = 0
     files: dict[str, dict[str, int]] = field(default_factory=dict)
     items: list[dict[str, Any]] = field(default_factory=list)
     reads: list[tuple[str, int, int]] = field(default_factory=list)
@@ -244,6 +272,7 @@ def plan_ranks(
             ranges=sum(len(r.pieces) for _, r in requests),
             requests=len(requests),
             deferred_targets=planner.stats.deferred_targets, deferred_bytes=planner.stats.deferred_bytes,
+            quantized_bytes=planner.stats.quantized_bytes, scale_bytes=planner.stats.scale_bytes,
             reads=[(f, r.start, r.end) for f, r in requests],
         )
         per_file: dict[str, dict[str, int]] = defaultdict(lambda: {"bytes": 0, "requests": 0})
@@ -265,8 +294,18 @@ def plan_ranks(
         "transforms": list(transforms),
         "layout": layout,
         "checkpoint_bytes": checkpoint_bytes,
+        "quantization": _quantization(metadata.planner_data.get(QUANTIZATION_CONFIG)),
         "ranks": ranks,
     }
+
+
+def _quantization(quantization_config: Mapping[str, Any] | None) -> str | None:
+    """``"fp8, blocks 128x128"``: the checkpoint's quantization in a few words (None when plain)."""
+    if not quantization_config:
+        return None
+    block = quantization_config.get("weight_block_size")
+    blocks = f", blocks {'x'.join(map(str, block))}" if isinstance(block, (list, tuple)) else ""
+    return f"{quantization_config.get('quant_method')}{blocks}"
 
 
 # -- load instrumentation -----------------------------------------------------------------------

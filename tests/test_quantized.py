@@ -192,3 +192,33 @@ def test_the_loaded_model_is_not_quantized(fp8):
                                          model_cls=family_model_class(model_type))
     assert getattr(model.config, "quantization_config", None) is None
     assert json.loads((checkpoint.path / "config.json").read_text())["quantization_config"]["quant_method"] == "fp8"
+
+
+# -- the CLI ------------------------------------------------------------------------------------------
+
+
+def test_cli_inspect_and_plan_show_quantized_bytes(capsys, tmp_path):
+    from hp_dcp_hf.cli import main
+
+    checkpoint = make_fp8_checkpoint("deepseek_v3", tmp_path)
+    assert main(["inspect", str(checkpoint.path), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)["quantization"]
+    weights = {k: v for k, v in _stored(checkpoint.path).items() if k in checkpoint.quantized}
+    assert info["format"] == "fp8, blocks 16x16" and info["weights"] == len(weights) == 28
+    assert info["weight_bytes"] == sum(v.numel() for v in weights.values())  # one byte each
+    assert info["scale_bytes"] == sum(_stored(checkpoint.path)[k + "_scale_inv"].numel() * 4 for k in weights)
+    assert main(["plan", str(checkpoint.path), "--mesh", "dp=2", "--dtype", "bfloat16", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["quantization"] == "fp8, blocks 16x16"
+    # dp=2 splits every weight in two: the ranks' quantized bytes add up to the stored ones
+    assert sum(r["quantized_bytes"] for r in plan["ranks"]) == info["weight_bytes"]
+    assert all(0 < r["scale_bytes"] <= info["scale_bytes"] for r in plan["ranks"])
+    assert main(["plan", str(checkpoint.path), "--mesh", "dp=2", "--dtype", "bfloat16"]) == 0
+    assert "quantized checkpoint (fp8, blocks 16x16)" in capsys.readouterr().out
+
+
+def _stored(path) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for file in path.glob("*.safetensors"):
+        tensors.update(load_file(file))
+    return tensors
