@@ -28,7 +28,7 @@ from hp_dcp_hf.errors import MappingError, MissingKeysError, PlanningError
 from hp_dcp_hf.layout import ShardPiece, local_shard_pieces, local_tensor
 from hp_dcp_hf.mapping.blocks import ReadBlock, read_blocks
 from hp_dcp_hf.mapping.compose import Composition, Opaque, TensorSpec
-from hp_dcp_hf.mapping.quantized import BlockScaled, block_scaled_tensors, dequantized_sources
+from hp_dcp_hf.mapping.quantized import QuantizedTensor, dequantized_sources, quantized_tensors
 from hp_dcp_hf.mapping.stages import model_stages, recorded_source_shapes
 from hp_dcp_hf.perf import paused_gc
 from hp_dcp_hf.storage.catalog import QUANTIZATION_CONFIG
@@ -79,13 +79,14 @@ class _Destination:
 
 @dataclass
 class _Dequantization:
-    """One box of a quantized weight: its bytes and its scale blocks are read apart (two items),
-    and once both are in, their values go to ``destination``."""
+    """One box of a quantized tensor: its quantized bytes and its scales are read apart (an item
+    each), and once all are in, their values go to ``destination``."""
 
     target: str
     destination: _Destination
-    tensor: BlockScaled
+    tensor: QuantizedTensor
     box: Box
+    expected: int
     parts: dict[str, torch.Tensor] = field(default_factory=dict)  # checkpoint key -> bytes as read
     committed: int = 0
 
@@ -137,7 +138,7 @@ class HFMappingPlanner(LoadPlanner):
         self.stats = PlanStats()
         self.composition = composition
         self.filled: tuple[str, ...] = ()  # the state dict keys written (one per tied group)
-        self.quantized: dict[str, BlockScaled] = {}  # quantized checkpoint weights read as values
+        self.quantized: dict[str, QuantizedTensor] = {}  # quantized checkpoint tensors read as values
         self._destinations: dict[ReadItem, _Destination] = {}
         self._dequantizations: dict[ReadItem, _Dequantization] = {}
         self._staging: dict[str, torch.Tensor] = {}
@@ -193,7 +194,7 @@ class HFMappingPlanner(LoadPlanner):
         if dequantization is not None:
             with self._lock:
                 dequantization.committed += 1
-                ready = dequantization.committed == 2
+                ready = dequantization.committed == dequantization.expected
             if ready:
                 self._dequantize(dequantization)
             return
@@ -256,15 +257,15 @@ class HFMappingPlanner(LoadPlanner):
                                    f"{list(_sorted(missing))}")
         used = set().union(*(composition.source_keys(n) for n in fill))
         self.report = LoadReport(_sorted(loaded), _sorted(missing), _sorted(set(sources) - used))
-        items = self._make_items(composition, state_dict, fill, stored)
+        items = self._make_items(composition, state_dict, fill, stored, sources)
         if isinstance(self.model, nn.Module):
             self.model._weight_conversions = composition.used_transforms
         return items
 
     def _quantized(
         self, stored: Mapping[str, TensorSpec], state_dict: Mapping[str, Any], metadata: Metadata
-    ) -> tuple[dict[str, BlockScaled], frozenset[str]]:
-        """The checkpoint's quantized weights to read as values, and the companions that consumes.
+    ) -> tuple[dict[str, QuantizedTensor], frozenset[str]]:
+        """The checkpoint's quantized tensors to read as values, and the companions that consumes.
 
         None when the checkpoint is not quantized, or when the model keeps quantized parameters
         with their scales (it then loads them as stored).
@@ -274,9 +275,9 @@ class HFMappingPlanner(LoadPlanner):
         if not quantization_config:
             return {}, frozenset()
         model_type = getattr(getattr(self.model, "config", None), "model_type", None)
-        quantized, consumed = block_scaled_tensors(quantization_config, stored, model_type=model_type)
-        scale_suffixes = {q.scale.rpartition(".")[2] for q in quantized.values()}
-        if any(name.rpartition(".")[2] in scale_suffixes for name in state_dict):
+        quantized, consumed = quantized_tensors(quantization_config, stored, model_type=model_type)
+        companions = {key.rpartition(".")[2] for key in consumed}
+        if any(name.rpartition(".")[2] in companions for name in state_dict):
             return {}, frozenset()
         return quantized, consumed
 
@@ -312,9 +313,10 @@ class HFMappingPlanner(LoadPlanner):
             raise MappingError(f"{len(problems)} model tensors do not match the checkpoint:\n  "
                                + "\n  ".join(problems))
 
-    def _make_items(self, composition: Composition, state_dict, fill, sources) -> list[ReadItem]:
-        """This rank's items; ``sources`` are the checkpoint tensors as stored (bytes are counted
-        in their dtypes: a quantized weight's box costs its quantized bytes plus its scale blocks)."""
+    def _make_items(self, composition: Composition, state_dict, fill, stored, sources) -> list[ReadItem]:
+        """This rank's items. ``sources`` are the tensors the conversions see (quantized ones as
+        values), ``stored`` the checkpoint's tensors as stored: bytes are counted in their dtypes (a
+        quantized box costs its quantized bytes plus its scales)."""
         items: list[ReadItem] = []
         staged: set[str] = set()
         source_ndim = {key: len(spec.shape) for key, spec in sources.items()}
@@ -336,7 +338,7 @@ class HFMappingPlanner(LoadPlanner):
                 stats.deferred_targets += 1
                 for key in sorted(traced.sources - staged):
                     staged.add(key)
-                    spec = sources[key]
+                    spec = stored[key]
                     shape = torch.Size(spec.shape)
                     items.append(self._item(_STAGING_PREFIX + key, (0,) * len(shape), key, (0,) * len(shape), shape))
                     nbytes = shape.numel() * spec.dtype.itemsize
@@ -347,22 +349,22 @@ class HFMappingPlanner(LoadPlanner):
             for piece in pieces:
                 for block in read_blocks(traced, piece.global_box, piece.local_offsets, source_ndim):
                     if block.key in self.quantized:
-                        weight, scale = self._dequantization_items(target, local, block)
-                        for item in (weight, scale):
+                        data, *scales = self._dequantization_items(target, local, block)
+                        for item in (data, *scales):
                             key = item.storage_index.fqn
-                            nbytes = math.prod(item.lengths) * sources[key].dtype.itemsize
+                            nbytes = math.prod(item.lengths) * stored[key].dtype.itemsize
                             stats.bytes_by_key[key] = stats.bytes_by_key.get(key, 0) + nbytes
-                            if item is weight:
+                            if item is data:
                                 stats.quantized_bytes += nbytes
                             else:
                                 stats.scale_bytes += nbytes
-                        items += [weight, scale]
+                            items.append(item)
                         continue
                     item = self._item(target, block.origin, block.key, block.source_box.offsets,
                                       torch.Size(block.source_box.sizes))
                     self._destinations[item] = self._destination(local, block)
                     items.append(item)
-                    nbytes = block.numel * sources[block.key].dtype.itemsize
+                    nbytes = block.numel * stored[block.key].dtype.itemsize
                     stats.bytes_by_key[block.key] = stats.bytes_by_key.get(block.key, 0) + nbytes
         stats.read_items = len(items)
         stats.bytes_needed = sum(stats.bytes_by_key.values())
@@ -372,26 +374,25 @@ class HFMappingPlanner(LoadPlanner):
                            "and converted in memory", stats.deferred_targets, stats.deferred_bytes)
         return items
 
-    def _dequantization_items(self, target: str, local: torch.Tensor, block: ReadBlock) -> tuple[ReadItem, ReadItem]:
-        """The weight box of ``block`` and the scale blocks covering it, two items of one
-        :class:`_Dequantization` (their destinations are raw buffers, see ``resolve_tensor``)."""
+    def _dequantization_items(self, target: str, local: torch.Tensor, block: ReadBlock) -> list[ReadItem]:
+        """The checkpoint boxes that make ``block`` of a quantized tensor (its quantized bytes
+        first), items of one :class:`_Dequantization` (their destinations are raw buffers, see
+        ``resolve_tensor``)."""
         tensor = self.quantized[block.key]
-        scale_box = tensor.scale_box(block.source_box)
-        dest = _QUANTIZED_PREFIX + target
-        weight = self._item(dest, block.origin, tensor.weight, block.source_box.offsets,
-                            torch.Size(block.source_box.sizes))
-        scale = self._item(dest, block.origin, tensor.scale, scale_box.offsets, torch.Size(scale_box.sizes))
-        dequantization = _Dequantization(target, self._destination(local, block), tensor, block.source_box)
-        self._dequantizations[weight] = self._dequantizations[scale] = dequantization
-        return weight, scale
+        reads = tensor.reads(block.source_box)
+        items = [self._item(_QUANTIZED_PREFIX + target, block.origin, key, box.offsets, torch.Size(box.sizes))
+                 for key, box in reads]
+        dequantization = _Dequantization(target, self._destination(local, block), tensor, block.source_box,
+                                         len(items))
+        for item in items:
+            self._dequantizations[item] = dequantization
+        return items
 
     def _dequantize(self, dequantization: _Dequantization) -> None:
-        tensor = dequantization.tensor
-        values = tensor.dequantize(
-            dequantization.parts[tensor.weight], dequantization.parts[tensor.scale], dequantization.box
-        )
+        destination = dequantization.destination.view()
+        values = dequantization.tensor.values(dequantization.parts, dequantization.box, destination.dtype)
         with torch.no_grad():
-            dequantization.destination.view().copy_(values)
+            destination.copy_(values)
         with self._lock:
             dequantization.parts.clear()
             self.touched_targets.add(dequantization.target)

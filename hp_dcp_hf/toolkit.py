@@ -136,20 +136,21 @@ def _quantized_tensors(catalog: Catalog) -> dict[str, Any] | None:
     loader cannot read them as values)."""
     if not catalog.quantization_config:
         return None
+    from hp_dcp_hf.box import Box
     from hp_dcp_hf.mapping.compose import TensorSpec
-    from hp_dcp_hf.mapping.quantized import block_scaled_tensors
+    from hp_dcp_hf.mapping.quantized import quantized_tensors
 
     out: dict[str, Any] = {"format": _quantization(catalog.quantization_config)}
     specs = {key: TensorSpec(e.shape, e.dtype) for key, e in catalog.entries.items()}
     try:
-        tensors, consumed = block_scaled_tensors(catalog.quantization_config, specs)
+        tensors, _ = quantized_tensors(catalog.quantization_config, specs)
     except QuantizationError as e:
         return out | {"error": str(e)}
+    whole = [t.reads(Box.full(t.shape(specs))) for t in tensors.values()]
     return out | {
         "weights": len(tensors),
-        "weight_bytes": sum(catalog.entries[k].nbytes for k in tensors),
-        "scale_bytes": sum(catalog.entries[t.scale].nbytes for t in tensors.values()),
-        "other_companions": len(consumed) - len(tensors),
+        "weight_bytes": sum(catalog.entries[data].nbytes for (data, _), *_ in whole),
+        "scale_bytes": sum(catalog.entries[key].nbytes for _, *scales in whole for key, _ in scales),
     }
 
 

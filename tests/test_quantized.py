@@ -1,10 +1,12 @@
-"""FP8 block-scaled checkpoints load into bf16 models as their dequantized values, in one process.
+"""Quantized checkpoints (FP8 block-scaled, MXFP4) load into bf16 models as their dequantized
+values, in one process.
 
 The oracle is transformers' ``from_pretrained`` of the dequantized twin (``tests/quantized.py``):
 the values transformers' own ``Fp8Dequantize`` gives on whole tensors, then its conversions. The
 tiny DeepSeek-V3 has ceil scale grids everywhere (blocks of 16: the MLA ``kv_a_proj_with_mqa`` has
 17 rows, ``q_a_proj`` 19, hidden size 44), per-expert FP8 weights that the conversion merges into
 stacked experts, float32 scales; the tiny Qwen3-MoE has bf16 scales, stored in a file of their own.
+The tiny gpt-oss stores its experts as MXFP4 blocks and E8M0 scales, its other weights in bf16.
 """
 
 from __future__ import annotations
@@ -19,10 +21,18 @@ from safetensors.torch import load_file, save_file
 import hp_dcp_hf
 from hp_dcp_hf.box import Box
 from hp_dcp_hf.errors import QuantizationError
-from hp_dcp_hf.mapping.quantized import BlockScaled
+from hp_dcp_hf.mapping.compose import TensorSpec
+from hp_dcp_hf.mapping.quantized import BlockScaled, Mxfp4
 from hp_dcp_hf.toolkit import plan_ranks
 from tests.families import family_model_class, load_family_reference
-from tests.quantized import FP8, dequantize_reference, make_fp8_checkpoint, quantize_fp8
+from tests.quantized import (
+    FP8,
+    dequantize_reference,
+    make_fp8_checkpoint,
+    make_mxfp4_checkpoint,
+    quantize_fp8,
+    quantize_mxfp4,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -32,10 +42,14 @@ CHECKPOINTS = {  # name -> (model type, make_fp8_checkpoint options)
 }
 
 
-@pytest.fixture(scope="module", params=list(CHECKPOINTS))
-def fp8(request, tmp_path_factory):
-    model_type, options = CHECKPOINTS[request.param]
-    checkpoint = make_fp8_checkpoint(model_type, tmp_path_factory.mktemp(request.param), **options)
+@pytest.fixture(scope="module", params=[*CHECKPOINTS, "gpt_oss-mxfp4"])
+def quantized(request, tmp_path_factory):
+    directory = tmp_path_factory.mktemp(request.param)
+    if request.param == "gpt_oss-mxfp4":
+        model_type, checkpoint = "gpt_oss", make_mxfp4_checkpoint(directory)
+    else:
+        model_type, options = CHECKPOINTS[request.param]
+        checkpoint = make_fp8_checkpoint(model_type, directory, **options)
     return model_type, checkpoint, load_family_reference(checkpoint.twin, model_type, torch.bfloat16)
 
 
@@ -80,25 +94,47 @@ def test_every_box_of_a_ceil_grid_dequantizes_alike():
         assert torch.equal(values, whole[box.slices()]), box
 
 
+def test_mxfp4_boxes_match_transformers_on_whole_tensors():
+    """Any box of the values (borders inside a 32-value group or a packed byte, any rows and
+    experts) from the blocks and scales :meth:`Mxfp4.reads` names: transformers' whole-tensor
+    ``convert_moe_packed_tensors`` at that box, bit for bit."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    torch.manual_seed(3)
+    blocks, scales = quantize_mxfp4(torch.randn(3, 21, 96) * torch.rand(3, 21, 96) * 40)
+    whole = convert_moe_packed_tensors(blocks, scales, dtype=torch.bfloat16)  # [3, 96, 21]
+    tensor = Mxfp4("x", "x_blocks", "x_scales")
+    assert tensor.shape({"x_blocks": TensorSpec(tuple(blocks.shape), torch.uint8)}) == (3, 96, 21)
+    stored = {"x_blocks": blocks, "x_scales": scales}
+    generator = torch.Generator().manual_seed(4)
+    for _ in range(60):
+        lo = [int(torch.randint(0, n, (1,), generator=generator)) for n in whole.shape]
+        size = [int(torch.randint(1, n - o + 1, (1,), generator=generator)) for n, o in zip(whole.shape, lo)]
+        box = Box(tuple(lo), tuple(size))
+        parts = {key: stored[key][part.slices()] for key, part in tensor.reads(box)}
+        assert torch.equal(tensor.values(parts, box, torch.bfloat16), whole[box.slices()]), box
+
+
 # -- loads ------------------------------------------------------------------------------------------
 
 
-def test_loads_like_transformers(fp8):
-    model_type, checkpoint, reference = fp8
+def test_loads_like_transformers(quantized):
+    model_type, checkpoint, reference = quantized
     model, report = hp_dcp_hf.from_pretrained(str(checkpoint.path), dtype=torch.bfloat16,
                                               model_cls=family_model_class(model_type))
     state = model.state_dict()
     assert set(state) == set(reference)
     assert all(state[k].dtype == v.dtype for k, v in reference.items())
     assert {state[k].dtype for k in checkpoint.quantized if k in state} == {torch.bfloat16}
+    assert report.plan.quantized_bytes > 0 and report.plan.scale_bytes > 0
     assert not sorted(k for k, v in reference.items() if not torch.equal(state[k], v))
     assert report.missing_keys == () and report.unexpected_keys == ()  # scales are consumed
     assert report.plan.bytes_needed == report.read.bytes_read
 
 
-def test_read_volume_is_every_stored_byte_once(fp8):
-    """One process reads the whole checkpoint: each FP8 weight's bytes and its scales exactly once."""
-    _, checkpoint, _ = fp8
+def test_read_volume_is_every_stored_byte_once(quantized):
+    """One process reads the whole checkpoint: each quantized tensor's bytes and its scales exactly once."""
+    _, checkpoint, _ = quantized
     plan = plan_ranks(str(checkpoint.path), "dp=1", dtype=torch.bfloat16)
     assert plan["ranks"][0].bytes_needed == plan["checkpoint_bytes"]
 
@@ -134,6 +170,17 @@ def test_transformers_reads_a_divisible_checkpoint_as_we_do(tmp_path):
         assert torch.equal(value, theirs[key]) and torch.equal(value, twin[key]), key
 
 
+def test_transformers_reads_mxfp4_as_we_do(tmp_path):
+    """transformers dequantizes gpt-oss's MXFP4 experts on CPU itself: its values are ours."""
+    checkpoint = make_mxfp4_checkpoint(tmp_path)
+    cls = family_model_class("gpt_oss")
+    theirs = cls.from_pretrained(checkpoint.path, dtype=torch.bfloat16).state_dict()
+    ours, _ = hp_dcp_hf.from_pretrained(str(checkpoint.path), dtype=torch.bfloat16, model_cls=cls)
+    assert set(ours.state_dict()) == set(theirs)
+    for key, value in ours.state_dict().items():
+        assert torch.equal(value, theirs[key]), key
+
+
 # -- bad input ----------------------------------------------------------------------------------------
 
 
@@ -156,6 +203,15 @@ def _edit(checkpoint_path, destination, edit_tensors=None, edit_config=None):
 
 
 SCALE = "model.layers.0.self_attn.kv_a_proj_with_mqa.weight_scale_inv"
+
+
+def test_mxfp4_blocks_without_scales_raise(tmp_path):
+    checkpoint = make_mxfp4_checkpoint(tmp_path / "good")
+    scales = "model.layers.1.mlp.experts.down_proj_scales"
+    bad = _edit(checkpoint.path, tmp_path / "bad", edit_tensors=lambda t: {k: v for k, v in t.items() if k != scales})
+    with pytest.raises(QuantizationError) as raised:
+        hp_dcp_hf.from_pretrained(str(bad), dtype=torch.bfloat16, model_cls=family_model_class("gpt_oss"))
+    assert raised.value.key == scales.replace("_scales", "_blocks") and "without their scales" in str(raised.value)
 
 
 @pytest.mark.parametrize("case", ["missing scale", "grid", "quant_method", "block size"])
@@ -185,13 +241,13 @@ def test_bad_quantized_checkpoints_raise_before_any_write(case, tmp_path):
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
-def test_the_loaded_model_is_not_quantized(fp8):
+def test_the_loaded_model_is_not_quantized(quantized):
     """The checkpoint's quantization_config stays with the checkpoint: the bf16 model's config has none."""
-    model_type, checkpoint, _ = fp8
+    model_type, checkpoint, _ = quantized
     model, _ = hp_dcp_hf.from_pretrained(str(checkpoint.path), dtype=torch.bfloat16,
                                          model_cls=family_model_class(model_type))
     assert getattr(model.config, "quantization_config", None) is None
-    assert json.loads((checkpoint.path / "config.json").read_text())["quantization_config"]["quant_method"] == "fp8"
+    assert json.loads((checkpoint.path / "config.json").read_text())["quantization_config"]["quant_method"]
 
 
 # -- the CLI ------------------------------------------------------------------------------------------

@@ -1,18 +1,24 @@
-"""Block-scaled quantized checkpoints, read as the values they stand for.
+"""Quantized checkpoints, read as the values they stand for.
 
-FP8 checkpoints (DeepSeek-V3/R1, Qwen3-FP8) store a quantized weight ``W`` as float8 with one
-float scale per block of ``weight_block_size`` (128 x 128) in a companion ``W_scale_inv``; the
-value of element ``[..., i, j]`` is ``float32(W[..., i, j]) * float32(S[..., i // b0, j // b1])``,
-the arithmetic of transformers' ``Fp8Dequantize``. The scale grid is ``ceil(rows / b0) x ceil(cols /
-b1)``: the last blocks of a dim may be partial.
+Two formats, as transformers' quantizers define them:
 
-When the model's parameters are floating point, the planner treats each quantized weight as a
-checkpoint tensor of its dequantized values (:func:`dequantized_sources`): the conversion mapping
-and the recorded rewrites compose on it as on any tensor, and a box of it is read as the weight
-bytes of that box plus the scale blocks covering it (:meth:`BlockScaled.scale_box`), dequantized on
-arrival (:meth:`BlockScaled.dequantize`). The block size comes from ``weight_block_size``, never
-from the grid, and which names are companions comes from transformers' own quantizer (its
-``serialized_names`` and the scale renamings it adds to every model's conversions).
+* **FP8 block-scaled** (``quant_method: "fp8"``; DeepSeek-V3/R1, Qwen3-FP8): a weight ``W`` is stored
+  as float8 with one scale per block of ``weight_block_size`` (128 x 128) in ``W_scale_inv``; the
+  value of element ``[..., i, j]`` is ``float32(W[..., i, j]) * float32(S[..., i // b0, j // b1])``
+  (transformers' ``Fp8Dequantize``). The grid is ``ceil(rows / b0) x ceil(cols / b1)``: the last
+  blocks of a dim may be partial. The block size comes from ``weight_block_size``, never the grid.
+* **MXFP4** (``quant_method: "mxfp4"``; gpt-oss): an expert tensor ``X`` is stored as ``X_blocks``
+  ``[E, R, G, 16]`` (two FP4 E2M1 values a byte, low nibble first) and ``X_scales`` ``[E, R, G]``
+  (E8M0 exponents, one per 32 values); its value is ``[E, G * 32, R]``, the unpacked rows scaled by
+  ``2 ** (scale - 127)`` and transposed (transformers' ``convert_moe_packed_tensors``).
+
+When the model's parameters are floating point, the planner treats each quantized tensor as a
+checkpoint tensor of its values (:func:`dequantized_sources`): the conversion mapping and the
+recorded rewrites compose on it as on any tensor, and a box of it is read as the checkpoint boxes
+that make it (:meth:`QuantizedTensor.reads`: the box's quantized bytes and the scales covering it),
+turned into values on arrival (:meth:`QuantizedTensor.values`). Which checkpoint names are
+companions comes from transformers' own quantizer (its ``serialized_names`` and the scale renamings
+it adds to every model's conversions).
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -33,6 +39,23 @@ _FP8 = frozenset(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "fl
                  if hasattr(torch, n))
 
 
+class QuantizedTensor(Protocol):
+    """A tensor of values the checkpoint stores quantized, under the name ``key`` conversions see."""
+
+    key: str
+
+    def shape(self, sources: Mapping[str, TensorSpec]) -> tuple[int, ...]:
+        """The shape of the values, from the stored tensors' specs."""
+
+    def reads(self, box: Box) -> tuple[tuple[str, Box], ...]:
+        """The checkpoint boxes that make ``box`` of the values: the quantized data first, then
+        its scales."""
+
+    def values(self, parts: Mapping[str, torch.Tensor], box: Box, dtype: torch.dtype) -> torch.Tensor:
+        """The values of ``box`` from ``parts`` (each :meth:`reads` box as read, by key), in
+        ``dtype`` or in float32 (cast on the copy into the destination either way)."""
+
+
 @dataclass(frozen=True)
 class BlockScaled:
     """Checkpoint tensor ``weight`` holds quantized values, scaled per ``block`` of its last two dims
@@ -41,6 +64,20 @@ class BlockScaled:
     weight: str
     scale: str
     block: tuple[int, int]
+
+    @property
+    def key(self) -> str:
+        return self.weight
+
+    def shape(self, sources: Mapping[str, TensorSpec]) -> tuple[int, ...]:
+        return tuple(sources[self.weight].shape)
+
+    def reads(self, box: Box) -> tuple[tuple[str, Box], ...]:
+        return (self.weight, box), (self.scale, self.scale_box(box))
+
+    def values(self, parts: Mapping[str, torch.Tensor], box: Box, dtype: torch.dtype) -> torch.Tensor:
+        # float32, then one rounding to the model's dtype: transformers' (q * s).to(dtype)
+        return self.dequantize(parts[self.weight], parts[self.scale], box)
 
     def scale_box(self, box: Box) -> Box:
         """The scale blocks that cover ``box`` of the weight: rows ``[a // b0, ceil(b / b0))``, same
@@ -63,6 +100,53 @@ class BlockScaled:
         return weight.to(torch.float32) * scale_values(scale)[..., index[0][:, None], index[1][None, :]]
 
 
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+"""FP4 E2M1 by nibble, as transformers' MXFP4 integration lists them."""
+MXFP4_GROUP = 32
+"""Values per E8M0 scale (16 packed bytes)."""
+
+
+@dataclass(frozen=True)
+class Mxfp4:
+    """Expert tensor ``key`` stored as packed FP4 ``blocks`` ``[E, R, G, 16]`` and E8M0 ``scales``
+    ``[E, R, G]``; its values are ``[E, G * 32, R]``."""
+
+    key: str
+    blocks: str
+    scales: str
+
+    def shape(self, sources: Mapping[str, TensorSpec]) -> tuple[int, ...]:
+        experts, rows, groups, _ = sources[self.blocks].shape
+        return experts, groups * MXFP4_GROUP, rows
+
+    def _groups(self, box: Box) -> tuple[int, int]:
+        start, size = box.offsets[1], box.sizes[1]
+        first = start // MXFP4_GROUP
+        return first, -(-(start + size) // MXFP4_GROUP) - first
+
+    def reads(self, box: Box) -> tuple[tuple[str, Box], ...]:
+        """Whole 32-value groups of the box's columns (a border inside a group or a byte reads that
+        group), its rows, its experts."""
+        (e0, _, r0), (ne, _, nr) = box.offsets, box.sizes
+        g0, ng = self._groups(box)
+        return (
+            (self.blocks, Box((e0, r0, g0, 0), (ne, nr, ng, MXFP4_GROUP // 2))),
+            (self.scales, Box((e0, r0, g0), (ne, nr, ng))),
+        )
+
+    def values(self, parts: Mapping[str, torch.Tensor], box: Box, dtype: torch.dtype) -> torch.Tensor:
+        """In ``dtype``, as transformers computes them: the FP4 table in the model's dtype, ``ldexp``
+        by the exponent, low nibble first."""
+        blocks, scales = parts[self.blocks], parts[self.scales]
+        lut = torch.tensor(FP4_VALUES, dtype=dtype)
+        unpacked = torch.stack((lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]), dim=-1)
+        scaled = torch.ldexp(unpacked.flatten(-2), (scales.to(torch.int32) - 127)[..., None])
+        g0, _ = self._groups(box)
+        start = box.offsets[1] - g0 * MXFP4_GROUP
+        columns = scaled.flatten(-2)[..., start : start + box.sizes[1]]  # [E, R, C]
+        return columns.transpose(1, 2)
+
+
 def scale_values(scale: torch.Tensor) -> torch.Tensor:
     """Scales as float32 multipliers: E8M0 exponents stored as ``uint8`` mean ``2 ** (byte - 127)``
     (as transformers reads them); float scales (float32, bf16, ``float8_e8m0fnu``) are converted."""
@@ -82,20 +166,13 @@ def _transformers_quantizer(quantization_config: Mapping[str, Any]):
         raise QuantizationError(f"quantization_config with quant_method {method!r}: {e}", file=_CONFIG_FILE) from e
 
 
-def _companion_names(quantizer, model_type: str | None) -> tuple[str, str, tuple[str, ...], list]:
-    """(quantized param name, scale companion, every other companion, the scale renamings) as
-    transformers' quantizer declares them."""
+def _scale_renamings(quantizer, model_type: str | None) -> list:
+    """The renamings transformers' quantizer puts before every model's conversions (``.scale`` ->
+    ``.weight_scale_inv``, ...)."""
     from transformers.core_model_loading import WeightRenaming
 
-    (param, names), *others = quantizer.serialized_names.items()
-    scales = [n for n in names if n.endswith("_scale_inv")]
-    if others or len(scales) != 1:
-        method = quantizer.quantization_config.quant_method
-        raise QuantizationError(f"quant_method {str(method)!r} is not a block-scaled format this loader reads "
-                                f"(serialized names {dict(quantizer.serialized_names)})", file=_CONFIG_FILE)
     names_only = SimpleNamespace(config=SimpleNamespace(model_type=model_type or ""), named_parameters=lambda: iter(()))
-    renamings = [t for t in quantizer.update_weight_conversions([], names_only) if isinstance(t, WeightRenaming)]
-    return param, scales[0], tuple(n for n in names if n not in (param, scales[0])), renamings
+    return [t for t in quantizer.update_weight_conversions([], names_only) if isinstance(t, WeightRenaming)]
 
 
 def _renamed(key: str, renamings: list) -> str:
@@ -104,25 +181,43 @@ def _renamed(key: str, renamings: list) -> str:
     return key
 
 
-def block_scaled_tensors(
+def quantized_tensors(
     quantization_config: Mapping[str, Any],
     sources: Mapping[str, TensorSpec],
     *,
     model_type: str | None = None,
-) -> tuple[dict[str, BlockScaled], frozenset[str]]:
-    """The quantized weights among ``sources`` and the companion keys their dequantization consumes.
+) -> tuple[dict[str, QuantizedTensor], frozenset[str]]:
+    """The quantized tensors among ``sources`` by the name conversions see, and the checkpoint keys
+    that are read only through them (never reported unexpected).
 
-    A weight is quantized when its scale companion is in the checkpoint; a float8 weight without
-    one is an error (its values cannot be known), as is a scale grid that does not fit its weight.
+    A weight is quantized when its companions are in the checkpoint; a float8 weight without its
+    scales, blocks without scales and a grid that does not fit its weight are errors, as is a
+    ``quant_method`` other than block-scaled FP8 and MXFP4.
     """
+    from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
+    from transformers.quantizers.quantizer_mxfp4 import Mxfp4HfQuantizer
+
     quantizer = _transformers_quantizer(quantization_config)
-    param, scale_name, other_names, renamings = _companion_names(quantizer, model_type)
+    if isinstance(quantizer, FineGrainedFP8HfQuantizer):
+        return _block_scaled(quantizer, sources, _scale_renamings(quantizer, model_type))
+    if isinstance(quantizer, Mxfp4HfQuantizer):
+        return _mxfp4(quantizer, sources)
+    raise QuantizationError(f"quant_method {quantization_config.get('quant_method')!r} is not a format this loader "
+                            "reads as values (block-scaled fp8, mxfp4)", file=_CONFIG_FILE)
+
+
+def _block_scaled(
+    quantizer, sources: Mapping[str, TensorSpec], renamings: list
+) -> tuple[dict[str, QuantizedTensor], frozenset[str]]:
+    (param, names), = quantizer.serialized_names.items()  # {"weight": [weight, weight_scale_inv, ...]}
+    scale_name = next(n for n in names if n.endswith("_scale_inv"))
+    other_names = [n for n in names if n not in (param, scale_name)]
     block = getattr(quantizer.quantization_config, "weight_block_size", None)
     if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
         raise QuantizationError(f"weight_block_size must be two positive ints, got {block!r}", file=_CONFIG_FILE)
     block = (int(block[0]), int(block[1]))
     by_name = {_renamed(key, renamings): key for key in sources}
-    found: dict[str, BlockScaled] = {}
+    found: dict[str, QuantizedTensor] = {}
     consumed: set[str] = set()
     for name, key in by_name.items():
         base, dot, last = name.rpartition(".")
@@ -142,6 +237,27 @@ def block_scaled_tensors(
     return found, frozenset(consumed)
 
 
+def _mxfp4(quantizer, sources: Mapping[str, TensorSpec]) -> tuple[dict[str, QuantizedTensor], frozenset[str]]:
+    found: dict[str, QuantizedTensor] = {}
+    for param, (blocks_name, scales_name) in quantizer.serialized_names.items():
+        for key in sources:
+            base, dot, last = key.rpartition(".")
+            if last != blocks_name:
+                continue
+            name, scales = base + dot + param, base + dot + scales_name
+            blocks_spec, scales_spec = sources[key], sources.get(scales)
+            if scales_spec is None:
+                raise QuantizationError(f"MXFP4 blocks without their scales ({scales})", key=key)
+            if (len(blocks_spec.shape) != 4 or blocks_spec.shape[-1] != MXFP4_GROUP // 2
+                    or tuple(scales_spec.shape) != tuple(blocks_spec.shape[:-1])
+                    or blocks_spec.dtype != torch.uint8 or scales_spec.dtype != torch.uint8):
+                raise QuantizationError(
+                    f"MXFP4 blocks {tuple(blocks_spec.shape)} {blocks_spec.dtype} and scales "
+                    f"{tuple(scales_spec.shape)} {scales_spec.dtype}: expected uint8 [E, R, G, 16] and [E, R, G]", key=key)
+            found[name] = Mxfp4(name, key, scales)
+    return found, frozenset(k for q in found.values() for k in (q.blocks, q.scales))
+
+
 def _check_grid(key: str, weight: TensorSpec, scale_key: str, scale: TensorSpec, block: tuple[int, int]) -> None:
     if len(weight.shape) < 2:
         raise QuantizationError(f"a block-scaled weight needs 2 dims or more, has shape {weight.shape}", key=key)
@@ -154,12 +270,10 @@ def _check_grid(key: str, weight: TensorSpec, scale_key: str, scale: TensorSpec,
 
 
 def dequantized_sources(
-    sources: Mapping[str, TensorSpec], quantized: Mapping[str, BlockScaled], consumed: frozenset[str]
+    sources: Mapping[str, TensorSpec], quantized: Mapping[str, QuantizedTensor], consumed: frozenset[str]
 ) -> dict[str, TensorSpec]:
-    """``sources`` as the conversions see them: each quantized weight a float32 tensor of its shape,
-    the companions gone."""
-    return {
-        key: TensorSpec(spec.shape, torch.float32) if key in quantized else spec
-        for key, spec in sources.items()
-        if key not in consumed
-    }
+    """``sources`` as the conversions see them: each quantized tensor a float32 tensor of its
+    values' shape, the keys read only through them gone."""
+    out = {key: spec for key, spec in sources.items() if key not in consumed}
+    out.update({key: TensorSpec(q.shape(sources), torch.float32) for key, q in quantized.items()})
+    return out

@@ -1,5 +1,6 @@
-"""FP8 block-scaled checkpoints on 4 gloo ranks: every layout reads only its weight boxes and the
-scale blocks covering them, and loads exactly the dequantized values.
+"""Quantized checkpoints on 4 gloo ranks: every layout reads only its quantized boxes and the
+scales covering them, and loads exactly the dequantized values (FP8 block-scaled DeepSeek-V3 and
+Qwen3-MoE, MXFP4 gpt-oss experts).
 
 Each case loads the quantized checkpoint and its dequantized twin (``tests/quantized.py``) through
 ``from_pretrained`` with the same mesh and rewrites; every parameter's ``full_tensor()`` must be
@@ -7,7 +8,8 @@ bit-identical between the two (the twin's loads are themselves checked against t
 the other dist tests), and, for the unrewritten cases, to transformers' single-process load of the
 twin. Layouts: FSDP2 over TP (``dp=2,tp=2``: ``_StridedShard``), EP over 4 ranks, a 4-way row split
 (``dp=4``: 19 and 17 rows cut 5/5/5/4 and 5/4/4/4, borders inside the 16-row scale blocks), and
-the MoE rewrites (``fuse_qkv``, ``grouped_gemm_experts``) under ``dp=2,tp=2``.
+the MoE rewrites (``fuse_qkv``, ``grouped_gemm_experts``) under ``dp=2,tp=2``; gpt-oss's MXFP4
+experts under ``dp=2,tp=2``, ``ep=4`` and ``tp=4``.
 """
 
 from __future__ import annotations
@@ -17,11 +19,12 @@ import torch
 
 from hp_dcp_hf.launch import run_ranks
 from tests.families import family_model_class, load_family_reference
-from tests.quantized import make_fp8_checkpoint
+from tests.quantized import make_fp8_checkpoint, make_mxfp4_checkpoint
 
-CHECKPOINTS = {
+CHECKPOINTS = {  # name -> (model type, make_fp8_checkpoint options; None: MXFP4)
     "deepseek_v3": ("deepseek_v3", {}),
     "qwen3_moe": ("qwen3_moe", {"scale_dtype": torch.bfloat16, "scales_apart": True}),
+    "gpt_oss": ("gpt_oss", None),
 }
 CASES = {  # name -> (checkpoint, mesh, transforms)
     "deepseek_v3-dp2tp2": ("deepseek_v3", "dp=2,tp=2", ()),
@@ -30,6 +33,9 @@ CASES = {  # name -> (checkpoint, mesh, transforms)
     "qwen3_moe-dp2tp2": ("qwen3_moe", "dp=2,tp=2", ()),
     "qwen3_moe-ep4": ("qwen3_moe", "ep=4", ()),
     "qwen3_moe-rewritten": ("qwen3_moe", "dp=2,tp=2", ("fuse_qkv", "grouped_gemm_experts")),
+    "gpt_oss-dp2tp2": ("gpt_oss", "dp=2,tp=2", ()),
+    "gpt_oss-ep4": ("gpt_oss", "ep=4", ()),
+    "gpt_oss-tp4": ("gpt_oss", "tp=4", ()),
 }
 
 
@@ -67,7 +73,8 @@ def _run(rank: int, world: int, paths: dict) -> dict:
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     checkpoints = {
-        name: make_fp8_checkpoint(model_type, tmp_path_factory.mktemp(name), **options)
+        name: make_mxfp4_checkpoint(tmp_path_factory.mktemp(name)) if options is None
+        else make_fp8_checkpoint(model_type, tmp_path_factory.mktemp(name), **options)
         for name, (model_type, options) in CHECKPOINTS.items()
     }
     paths = {name: {"fp8": str(c.path), "twin": str(c.twin)} for name, c in checkpoints.items()}
@@ -120,5 +127,5 @@ def test_row_split_reads_each_fp8_byte_once(run):
 
 def test_experts_split_over_ep(run):
     per_rank, _, _ = run
-    for case in ("deepseek_v3-ep4", "qwen3_moe-ep4"):
+    for case in ("deepseek_v3-ep4", "qwen3_moe-ep4", "gpt_oss-ep4"):
         assert not [u for u in per_rank[0][case]["unsharded"] if "ep" in u.split(":")[0]], case
