@@ -82,11 +82,12 @@ class _Dequantization:
     """One box of a quantized tensor: its quantized bytes and its scales are read apart (an item
     each), and once all are in, their values go to ``destination``."""
 
-    target: str
+    target: str  # a state dict key, or the quantized tensor's key when staged whole
     destination: _Destination
     tensor: QuantizedTensor
     box: Box
     expected: int
+    staged: bool = False  # values of the whole tensor, for a deferred (untraceable) conversion
     parts: dict[str, torch.Tensor] = field(default_factory=dict)  # checkpoint key -> bytes as read
     committed: int = 0
 
@@ -203,6 +204,11 @@ class HFMappingPlanner(LoadPlanner):
             with self._lock:
                 self.touched_targets.add(read_item.dest_index.fqn)
             return
+        self._staged(staging_key)
+
+    def _staged(self, staging_key: str) -> None:
+        """Checkpoint tensor ``staging_key`` is whole in staging: finish the deferred targets that
+        waited for it last."""
         with self._lock:
             ready = []
             for target, waiting in self._waiting.items():
@@ -329,21 +335,22 @@ class HFMappingPlanner(LoadPlanner):
             stats.targets += 1
             traced = composition.traced[target]
             if isinstance(traced, Opaque):
-                quantized = sorted(traced.sources & set(self.quantized))
-                if quantized:
-                    raise MappingError(f"quantized {quantized} feed a conversion that cannot be traced; "
-                                       "it would need their whole values dequantized first", key=target)
                 self._waiting[target] = set(traced.sources)
                 self._deferred[target] = (tensor, pieces, traced.sources)
                 stats.deferred_targets += 1
                 for key in sorted(traced.sources - staged):
                     staged.add(key)
-                    spec = stored[key]
-                    shape = torch.Size(spec.shape)
-                    items.append(self._item(_STAGING_PREFIX + key, (0,) * len(shape), key, (0,) * len(shape), shape))
-                    nbytes = shape.numel() * spec.dtype.itemsize
-                    stats.deferred_bytes += nbytes
-                    stats.bytes_by_key[key] = stats.bytes_by_key.get(key, 0) + nbytes
+                    if key in self.quantized:  # its values, whole: every part of it, dequantized
+                        whole = self._staging_dequantization_items(key, sources[key], tensor.dtype)
+                    else:
+                        shape = torch.Size(stored[key].shape)
+                        whole = [self._item(_STAGING_PREFIX + key, (0,) * len(shape), key, (0,) * len(shape), shape)]
+                    for item in whole:
+                        items.append(item)
+                        part = item.storage_index.fqn
+                        nbytes = math.prod(item.lengths) * stored[part].dtype.itemsize
+                        stats.deferred_bytes += nbytes
+                        stats.bytes_by_key[part] = stats.bytes_by_key.get(part, 0) + nbytes
                 continue
             local = local_tensor(tensor)
             for piece in pieces:
@@ -388,6 +395,20 @@ class HFMappingPlanner(LoadPlanner):
             self._dequantizations[item] = dequantization
         return items
 
+    def _staging_dequantization_items(self, key: str, spec: TensorSpec, dtype: torch.dtype) -> list[ReadItem]:
+        """Every part of quantized tensor ``key``, to dequantize whole (in ``dtype``, the model's)
+        into staging for a deferred conversion."""
+        values = torch.empty(spec.shape, dtype=dtype)
+        self._staging[key] = values
+        box = Box.full(spec.shape)
+        destination = _Destination(values, tuple(values.shape), tuple(values.stride()), 0)
+        items = [self._item(_STAGING_PREFIX + key, box.offsets, part, part_box.offsets, torch.Size(part_box.sizes))
+                 for part, part_box in self.quantized[key].reads(box)]
+        dequantization = _Dequantization(key, destination, self.quantized[key], box, len(items), staged=True)
+        for item in items:
+            self._dequantizations[item] = dequantization
+        return items
+
     def _dequantize(self, dequantization: _Dequantization) -> None:
         destination = dequantization.destination.view()
         values = dequantization.tensor.values(dequantization.parts, dequantization.box, destination.dtype)
@@ -395,7 +416,10 @@ class HFMappingPlanner(LoadPlanner):
             destination.copy_(values)
         with self._lock:
             dequantization.parts.clear()
-            self.touched_targets.add(dequantization.target)
+            if not dequantization.staged:
+                self.touched_targets.add(dequantization.target)
+        if dequantization.staged:
+            self._staged(dequantization.target)
 
     @staticmethod
     def _item(dest: str, dest_offsets, key: str, offsets, lengths: torch.Size) -> ReadItem:

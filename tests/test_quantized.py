@@ -132,6 +132,17 @@ def test_loads_like_transformers(quantized):
     assert report.plan.bytes_needed == report.read.bytes_read
 
 
+def test_legacy_loader_dequantizes_whole_tensors(quantized):
+    """The legacy loader (whole tensors, real conversions in memory; also any conversion that
+    cannot be traced) stages each quantized tensor's values whole: the same values."""
+    model_type, checkpoint, reference = quantized
+    model, report = hp_dcp_hf.from_pretrained(str(checkpoint.path), dtype=torch.bfloat16, loader="legacy",
+                                              model_cls=family_model_class(model_type))
+    state = model.state_dict()
+    assert report.plan.deferred_targets > 0
+    assert not sorted(k for k, v in reference.items() if not torch.equal(state[k], v))
+
+
 def test_read_volume_is_every_stored_byte_once(quantized):
     """One process reads the whole checkpoint: each quantized tensor's bytes and its scales exactly once."""
     _, checkpoint, _ = quantized
