@@ -338,6 +338,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="mesh dims as for plan/load (dp_replicate, dp, tp, ep; dp_replicate x dp x tp ranks)")
     p.add_argument("--transforms", default="grouped_gemm_experts", help=transforms_help)
     p.add_argument("--regenerate", action="store_true", help="write the checkpoint again")
+    p.add_argument("--quantized", default="none", choices=("none", "fp8"),
+                   help="fp8: the same checkpoint with its layer weights FP8 block-quantized (128x128, as "
+                        "DeepSeek-V3 ships), loaded as their values into the float32 model")
     p.add_argument("--no-reference", action="store_true",
                    help="skip the single-process transformers forward on rank 0")
     p.add_argument("--timeout", type=float, default=900, help="seconds a rank waits for the others (its process group's timeout)")

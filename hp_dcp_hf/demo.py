@@ -1,7 +1,8 @@
 """``hp-dcp-hf demo`` (``make demo``): a real multi-rank load of a small MoE checkpoint.
 
 1. Generates a Mixtral-shaped checkpoint with random weights from a transformers config (about
-   210 MB of bf16 in several shards plus an index; written once into a cache directory, then reused).
+   210 MB of bf16 in several shards plus an index; written once into a cache directory, then reused;
+   ``--quantized fp8``: its layer weights FP8 block-quantized, as DeepSeek-V3 ships).
 2. Plans every rank's reads without a process group (``hp-dcp-hf plan``).
 3. Launches the ranks (gloo, spawned processes). Each builds the model on the meta device,
    applies the rewrites (default: ``grouped_gemm_experts``), lays it out on a 2-D ``dp x tp`` mesh
@@ -50,9 +51,18 @@ def _cache_dir(arg: str | None) -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "hp_dcp_hf"
 
 
-def ensure_checkpoint(cache_dir: Path, regenerate: bool = False) -> tuple[Path, float | None]:
-    """The demo checkpoint directory and how long generating it took (``None``: reused)."""
-    path = cache_dir / f"demo-mixtral-v{DEMO_VERSION}"
+FP8_CONFIG: dict[str, Any] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                              "weight_block_size": [128, 128]}
+
+
+def ensure_checkpoint(cache_dir: Path, regenerate: bool = False, quantized: str = "none") -> tuple[Path, float | None]:
+    """The demo checkpoint directory and how long generating it took (``None``: reused).
+
+    ``quantized="fp8"``: the same model with every layer weight but the routers quantized to FP8 by
+    transformers' own ``Fp8Quantize`` (blocks of 128 x 128, float32 ``weight_scale_inv``).
+    """
+    suffix = "" if quantized == "none" else f"-{quantized}"
+    path = cache_dir / f"demo-mixtral{suffix}-v{DEMO_VERSION}"
     marker = path / MARKER
     if not regenerate and marker.exists():
         try:
@@ -70,11 +80,39 @@ def ensure_checkpoint(cache_dir: Path, regenerate: bool = False) -> tuple[Path, 
     torch.manual_seed(0)
     model = MixtralForCausalLM._from_config(MixtralConfig(**DEMO_CONFIG), dtype=torch.bfloat16)
     model.save_pretrained(tmp, max_shard_size=SHARD_SIZE)
+    if quantized == "fp8":
+        _quantize_fp8(tmp)
     (tmp / MARKER).write_text(json.dumps({"version": DEMO_VERSION, "config": DEMO_CONFIG}, indent=2))
     del model
     shutil.rmtree(path, ignore_errors=True)
     os.replace(tmp, path)
     return path, time.perf_counter() - start
+
+
+def _quantize_fp8(path: Path) -> None:
+    """Rewrite the checkpoint at ``path`` as an FP8 block-scaled one (in place, file by file)."""
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.finegrained_fp8 import Fp8Quantize
+    from transformers.quantizers.auto import AutoHfQuantizer, AutoQuantizationConfig
+
+    quantizer = AutoHfQuantizer.from_config(AutoQuantizationConfig.from_dict(FP8_CONFIG), pre_quantized=True)
+    quantize = Fp8Quantize(quantizer)
+    index_path = path / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    for file in sorted(set(index["weight_map"].values())):
+        tensors = {}
+        for key, value in load_file(path / file).items():
+            layer_weight = ".layers." in key and key.endswith(".weight") and value.ndim == 2
+            router = key.endswith(".gate.weight")
+            tensors.update(quantize.convert({key: value}) if layer_weight and not router else {key: value})
+        save_file(tensors, path / file, metadata={"format": "pt"})
+        index["weight_map"].update({key: file for key in tensors})
+    index["metadata"]["total_size"] = sum(t.numel() * t.element_size() for f in set(index["weight_map"].values())
+                                          for t in load_file(path / f).values())
+    index_path.write_text(json.dumps(index, indent=2))
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = FP8_CONFIG
+    (path / "config.json").write_text(json.dumps(config, indent=2))
 
 
 # -- ranks -------------------------------------------------------------------------------------
@@ -226,7 +264,7 @@ def run(args: argparse.Namespace) -> int:
     for stale in out.glob("rank*.json"):
         stale.unlink()
 
-    ckpt, made_s = ensure_checkpoint(_cache_dir(args.cache_dir), args.regenerate)
+    ckpt, made_s = ensure_checkpoint(_cache_dir(args.cache_dir), args.regenerate, getattr(args, "quantized", "none"))
     info = inspect_checkpoint(str(ckpt))
     catalog = _catalog(ckpt)
     n_params = sum(math.prod(e.shape) for e in catalog.entries.values())
@@ -235,6 +273,11 @@ def run(args: argparse.Namespace) -> int:
     print(f"             MixtralForCausalLM, {n_params / 1e6:.1f}M parameters, {info['tensors']} tensors in "
           f"{len(info['files'])} files + index, {fmt_bytes(info['tensor_bytes'])} of "
           + ", ".join(info["dtypes"]))
+    quantized = info["quantization"]
+    if quantized:
+        print(f"             quantized {quantized['format']}: {quantized.get('weights', 0)} weights "
+              f"({fmt_bytes(quantized.get('weight_bytes', 0))}) and their scales "
+              f"({fmt_bytes(quantized.get('scale_bytes', 0))}), loaded as values")
     print(f"model        {world} ranks (gloo), mesh " + " x ".join(f"{k}={v}" for k, v in sizes.items())
           + f", transforms {','.join(transforms) or 'none'}, float32")
 
