@@ -115,6 +115,47 @@ def test_mxfp4_boxes_match_transformers_on_whole_tensors():
         assert torch.equal(tensor.values(parts, box, torch.bfloat16), whole[box.slices()]), box
 
 
+def test_transformers_shard_on_read_pairs_the_wrong_scales():
+    """transformers 5.24 slices an FP8 weight and its scales independently under TP / FSDP
+    (``DtensorShardOperation``) and infers the block from the local grid. 40 rows in blocks of 16
+    (a ceil grid of 3) row-sharded on 4 ranks: rank 0 is right by luck, ranks 1 and 2 get wrong
+    values, rank 3 gets no scale rows and fails. Reading the scale blocks that cover each rank's
+    rows, ours is exact on every rank."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from transformers.distributed.sharding_utils import DtensorShardOperation
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    from hp_dcp_hf.toolkit import _clear_sharding_caches, _register_fake_backend
+
+    torch.manual_seed(5)
+    q, scale = quantize_fp8(torch.randn(40, 32), (16, 16))
+    whole = dequantize_reference(q, scale, (16, 16), dtype=torch.float32)
+    ours = BlockScaled("w", "s", (16, 16))
+    theirs: list[str] = []
+    _register_fake_backend()
+    for rank in range(4):
+        dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=4)
+        try:
+            mesh = init_device_mesh("cpu", (4,))
+            param = DTensor.from_local(torch.empty(10, 32), mesh, [Shard(0)], shape=torch.Size((40, 32)), stride=(32, 1))
+            shard = DtensorShardOperation(param)
+            try:
+                values = Fp8Dequantize(None)._dequantize_one(shard.shard_tensor(q), shard.shard_tensor(scale),
+                                                             output_dtype=torch.float32)
+                theirs.append("exact" if torch.equal(values, whole[10 * rank : 10 * rank + 10]) else "wrong")
+            except (ValueError, ZeroDivisionError, RuntimeError):
+                theirs.append("error")
+        finally:
+            dist.destroy_process_group()
+            _clear_sharding_caches()
+        box = Box((10 * rank, 0), (10, 32))
+        assert torch.equal(ours.dequantize(q[box.slices()], scale[ours.scale_box(box).slices()], box),
+                           whole[box.slices()])
+    assert theirs == ["exact", "wrong", "wrong", "error"]
+
+
 # -- loads ------------------------------------------------------------------------------------------
 
 
