@@ -24,11 +24,17 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from transformers.core_model_loading import WeightTransform, dot_natural_key
 
 from hp_dcp_hf.box import Box
-from hp_dcp_hf.errors import MappingError, MissingKeysError, PlanningError
+from hp_dcp_hf.errors import LayoutError, MappingError, MissingKeysError, PlanningError
 from hp_dcp_hf.layout import ShardPiece, local_shard_pieces, local_tensor
 from hp_dcp_hf.mapping.blocks import ReadBlock, read_blocks
 from hp_dcp_hf.mapping.compose import Composition, Opaque, TensorSpec
-from hp_dcp_hf.mapping.quantized import QuantizedTensor, dequantized_sources, quantized_tensors
+from hp_dcp_hf.mapping.quantized import (
+    BlockScaled,
+    QuantizedTensor,
+    dequantized_sources,
+    quantized_tensors,
+    uncovered_weight_boxes,
+)
 from hp_dcp_hf.mapping.stages import model_stages, recorded_source_shapes
 from hp_dcp_hf.perf import paused_gc
 from hp_dcp_hf.storage.catalog import QUANTIZATION_CONFIG
@@ -284,8 +290,31 @@ class HFMappingPlanner(LoadPlanner):
         quantized, consumed = quantized_tensors(quantization_config, stored, model_type=model_type)
         companions = {key.rpartition(".")[2] for key in consumed}
         if any(name.rpartition(".")[2] in companions for name in state_dict):
+            self._check_stored_scales(state_dict, quantized)
             return {}, frozenset()
         return quantized, consumed
+
+    @staticmethod
+    def _check_stored_scales(state_dict: Mapping[str, Any], quantized: Mapping[str, QuantizedTensor]) -> None:
+        """A model that keeps block-scaled weights with their scale parameters loads both as stored:
+        each rank must then hold the scale blocks covering the weight rows and columns it holds."""
+        # Every block-scaled weight of a checkpoint has one block size and one scale suffix.
+        tensor = next((t for t in quantized.values() if isinstance(t, BlockScaled)), None)
+        if tensor is None:
+            return
+        param, suffix = tensor.weight.rpartition(".")[2], tensor.scale.removeprefix(tensor.weight)
+        for name in state_dict:
+            scale = name + suffix
+            if not name.endswith(param) or scale not in state_dict:
+                continue
+            weight_boxes = [p.global_box for p in local_shard_pieces(state_dict[name], key=name)]
+            scale_boxes = [p.global_box for p in local_shard_pieces(state_dict[scale], key=scale)]
+            uncovered = uncovered_weight_boxes(weight_boxes, scale_boxes, tensor.block)
+            if uncovered:
+                raise LayoutError(
+                    f"this rank holds {uncovered[0]} of the weight but not every {tensor.block} scale block "
+                    f"covering it ({scale} holds {scale_boxes}): shard the scales with the weight's "
+                    "block borders, or replicate them", key=name)
 
     def _alias_groups(self, state_dict: Mapping[str, Any]) -> list[tuple[str, ...]]:
         """State dict keys grouped by the tensor they share (tied weights)."""

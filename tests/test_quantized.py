@@ -330,3 +330,88 @@ def _stored(path) -> dict[str, torch.Tensor]:
     for file in path.glob("*.safetensors"):
         tensors.update(load_file(file))
     return tensors
+
+
+# -- loading as stored ----------------------------------------------------------------------------------
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.view(torch.uint8) if tensor.dtype == FP8 else tensor
+
+
+def test_a_model_keeping_fp8_weights_loads_them_as_stored(tmp_path):
+    """transformers' ``FP8Linear`` keeps the FP8 weight and its ``weight_scale_inv``: both load as
+    stored, byte for byte, and nothing is dequantized."""
+    from transformers import FineGrainedFP8Config
+    from transformers.integrations.finegrained_fp8 import replace_with_fp8_linear
+
+    checkpoint = make_fp8_checkpoint("llama", tmp_path)
+    with torch.device("meta"):
+        model = family_model_class("llama")._from_config(hp_dcp_hf.pipeline.read_config(str(checkpoint.twin)),
+                                                         dtype=torch.bfloat16)
+    replace_with_fp8_linear(model, modules_to_not_convert=["lm_head"],
+                            quantization_config=FineGrainedFP8Config(weight_block_size=(16, 16)))
+    model.to_empty(device="cpu")
+    report = hp_dcp_hf.load_hf_checkpoint(model, str(checkpoint.path))
+    stored = _stored(checkpoint.path)
+    state = model.state_dict()
+    assert report.missing_keys == () and report.unexpected_keys == ()
+    assert {state[k].dtype for k in checkpoint.quantized} == {FP8}
+    assert set(stored) <= set(state)
+    assert all(torch.equal(_bits(state[k]), _bits(v)) for k, v in stored.items())
+
+
+class _Fp8Proj(torch.nn.Module):
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)
+        self.weight_scale_inv = torch.nn.Parameter(scale, requires_grad=False)
+
+
+@pytest.mark.parametrize("scale_layout", ["row-sharded", "replicated"])
+def test_stored_scales_must_cover_the_weight_rows_a_rank_holds(scale_layout, tmp_path):
+    """40 weight rows in blocks of 16, both tensors row-sharded over 4 ranks: rank 1 holds weight
+    rows [10, 20) but only scale row 1, so it could not use its weights (rows 10..15 need scale row
+    0): a LayoutError at planning time. Replicated scales cover every rank."""
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from hp_dcp_hf import HFMappingPlanner, HFStorageReader
+    from hp_dcp_hf.errors import LayoutError
+    from hp_dcp_hf.toolkit import _clear_sharding_caches, _register_fake_backend
+
+    q, scale = quantize_fp8(torch.randn(40, 32), (16, 16))
+    save_file({"proj.weight": q, "proj.weight_scale_inv": scale}, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {
+        "quant_method": "fp8", "weight_block_size": [16, 16], "activation_scheme": "dynamic"}}))
+    metadata = HFStorageReader(str(tmp_path)).read_metadata()
+    _register_fake_backend()
+    outcomes = []
+    for rank in range(4):
+        dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=4)
+        try:
+            mesh = init_device_mesh("cpu", (4,))
+            weight = DTensor.from_local(torch.empty(10, 32, dtype=FP8), mesh, [Shard(0)],
+                                        shape=torch.Size((40, 32)), stride=(32, 1))
+            if scale_layout == "replicated":
+                scales = DTensor.from_local(torch.empty(3, 2), mesh, [Replicate()])
+            else:
+                local_rows = (1, 1, 1, 0)[rank]
+                scales = DTensor.from_local(torch.empty(local_rows, 2), mesh, [Shard(0)],
+                                            shape=torch.Size((3, 2)), stride=(2, 1))
+            model = torch.nn.Module()
+            model.proj = _Fp8Proj(weight, scales)
+            planner = HFMappingPlanner(model, weights_mapping=[])
+            try:
+                planner.plan_reads(model.state_dict(), metadata)
+                outcomes.append("planned")
+            except LayoutError as e:
+                assert e.key == "proj.weight" and "scale block" in e.reason
+                outcomes.append("LayoutError")
+        finally:
+            dist.destroy_process_group()
+            _clear_sharding_caches()
+    expected = ["planned"] * 4 if scale_layout == "replicated" else ["planned", "LayoutError", "LayoutError", "LayoutError"]
+    assert outcomes == expected

@@ -23,7 +23,7 @@ it adds to every model's conversions).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Protocol
@@ -256,6 +256,20 @@ def _mxfp4(quantizer, sources: Mapping[str, TensorSpec]) -> tuple[dict[str, Quan
                     f"{tuple(scales_spec.shape)} {scales_spec.dtype}: expected uint8 [E, R, G, 16] and [E, R, G]", key=key)
             found[name] = Mxfp4(name, key, scales)
     return found, frozenset(k for q in found.values() for k in (q.blocks, q.scales))
+
+
+def uncovered_weight_boxes(weight_boxes: Sequence[Box], scale_boxes: Sequence[Box], block: tuple[int, int]) -> list[Box]:
+    """For a model that keeps a block-scaled weight with its scales (both sharded), the boxes of the
+    weight this rank holds whose covering scale blocks it does not all hold: its layout cannot use
+    the scales it would load."""
+    tensor = BlockScaled("", "", block)
+    uncovered = []
+    for box in weight_boxes:
+        need = tensor.scale_box(box)
+        held = sum(part.numel for part in (need.intersect(s) for s in scale_boxes) if part is not None)
+        if held != need.numel:
+            uncovered.append(box)
+    return uncovered
 
 
 def _check_grid(key: str, weight: TensorSpec, scale_key: str, scale: TensorSpec, block: tuple[int, int]) -> None:
