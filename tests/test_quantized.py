@@ -191,19 +191,30 @@ def test_read_volume_is_every_stored_byte_once(quantized):
     assert plan["ranks"][0].bytes_needed == plan["checkpoint_bytes"]
 
 
-def test_row_shards_read_the_scale_blocks_covering_them(tmp_path_factory):
-    """dp=4 splits the 19 rows of ``q_a_proj`` as 5/5/5/4: borders inside the 16-row scale blocks.
-    Each rank reads exactly its weight rows and the scale rows ``[a // 16, ceil(b / 16))``."""
-    checkpoint = make_fp8_checkpoint("deepseek_v3", tmp_path_factory.mktemp("rows"))
-    plan = plan_ranks(str(checkpoint.path), "dp=4", dtype=torch.bfloat16, with_items=True)
+@pytest.fixture(scope="module")
+def deepseek_fp8(tmp_path_factory):
+    return make_fp8_checkpoint("deepseek_v3", tmp_path_factory.mktemp("rows"))
+
+
+@pytest.mark.parametrize("world", [4, 16])
+def test_row_shards_read_the_scale_blocks_covering_them(deepseek_fp8, world):
+    """FSDP2 over ``world`` ranks splits the 19 rows of ``q_a_proj`` in chunks of ``ceil(19 / world)``
+    (5/5/5/4 on 4 ranks; 2 rows each on 16, the last ones empty): borders inside the 16-row scale
+    blocks. Planned without a process group, each rank reads exactly its weight rows and the scale
+    rows ``[a // 16, ceil(b / 16))``."""
+    plan = plan_ranks(str(deepseek_fp8.path), f"dp={world}", dtype=torch.bfloat16, with_items=True)
     key = "model.layers.0.self_attn.q_a_proj.weight"
+    chunk = -(-19 // world)
     for rank, rank_plan in enumerate(plan["ranks"]):
-        lo, hi = 5 * rank, min(5 * rank + 5, 19)
-        weight = [i for i in rank_plan.items if i["key"] == key]
-        scale = [i for i in rank_plan.items if i["key"] == key + "_scale_inv"]
-        assert sorted((i["offsets"], i["lengths"]) for i in weight) == [([lo, 0], [hi - lo, 44])]
+        lo, hi = min(chunk * rank, 19), min(chunk * rank + chunk, 19)
+        weight = [(i["offsets"], i["lengths"]) for i in rank_plan.items if i["key"] == key]
+        scale = [(i["offsets"], i["lengths"]) for i in rank_plan.items if i["key"] == key + "_scale_inv"]
+        if lo == hi:
+            assert weight == scale == []
+            continue
+        assert weight == [([lo, 0], [hi - lo, 44])]
         first, end = lo // 16, -(-hi // 16)
-        assert [(i["offsets"], i["lengths"]) for i in scale] == [([first, 0], [end - first, 3])]
+        assert scale == [([first, 0], [end - first, 3])]
 
 
 def test_transformers_reads_a_divisible_checkpoint_as_we_do(tmp_path):
