@@ -26,7 +26,7 @@ from transformers.core_model_loading import WeightTransform, dot_natural_key
 from hp_dcp_hf.box import Box
 from hp_dcp_hf.errors import LayoutError, MappingError, MissingKeysError, PlanningError
 from hp_dcp_hf.layout import ShardPiece, local_shard_pieces, local_tensor
-from hp_dcp_hf.mapping.blocks import ReadBlock, read_blocks
+from hp_dcp_hf.mapping.blocks import LocalView, ReadBlock, read_blocks
 from hp_dcp_hf.mapping.compose import Composition, Opaque, TensorSpec
 from hp_dcp_hf.mapping.quantized import (
     BlockScaled,
@@ -72,24 +72,13 @@ class PlanStats:
     scale_bytes: int = 0  # of bytes_needed: the scale blocks that dequantize them
 
 
-@dataclass(frozen=True)
-class _Destination:
-    tensor: torch.Tensor
-    sizes: tuple[int, ...]
-    strides: tuple[int, ...]
-    offset: int
-
-    def view(self) -> torch.Tensor:
-        return self.tensor.as_strided(self.sizes, self.strides, self.offset)
-
-
 @dataclass
 class _Dequantization:
     """One box of a quantized tensor: its quantized bytes and its scales are read apart (an item
     each), and once all are in, their values go to ``destination``."""
 
     target: str  # a state dict key, or the quantized tensor's key when staged whole
-    destination: _Destination
+    destination: LocalView
     tensor: QuantizedTensor
     box: Box
     expected: int
@@ -146,7 +135,7 @@ class HFMappingPlanner(LoadPlanner):
         self.composition = composition
         self.filled: tuple[str, ...] = ()  # the state dict keys written (one per tied group)
         self.quantized: dict[str, QuantizedTensor] = {}  # quantized checkpoint tensors read as values
-        self._destinations: dict[ReadItem, _Destination] = {}
+        self._destinations: dict[ReadItem, LocalView] = {}
         self._dequantizations: dict[ReadItem, _Dequantization] = {}
         self._staging: dict[str, torch.Tensor] = {}
         self._waiting: dict[str, set[str]] = {}  # deferred target -> checkpoint keys still being read
@@ -398,7 +387,7 @@ class HFMappingPlanner(LoadPlanner):
                         continue
                     item = self._item(target, block.origin, block.key, block.source_box.offsets,
                                       torch.Size(block.source_box.sizes))
-                    self._destinations[item] = self._destination(local, block)
+                    self._destinations[item] = LocalView.of(local, block)
                     items.append(item)
                     nbytes = block.numel * stored[block.key].dtype.itemsize
                     stats.bytes_by_key[block.key] = stats.bytes_by_key.get(block.key, 0) + nbytes
@@ -418,7 +407,7 @@ class HFMappingPlanner(LoadPlanner):
         reads = tensor.reads(block.source_box)
         items = [self._item(_QUANTIZED_PREFIX + target, block.origin, key, box.offsets, torch.Size(box.sizes))
                  for key, box in reads]
-        dequantization = _Dequantization(target, self._destination(local, block), tensor, block.source_box,
+        dequantization = _Dequantization(target, LocalView.of(local, block), tensor, block.source_box,
                                          len(items))
         for item in items:
             self._dequantizations[item] = dequantization
@@ -430,7 +419,7 @@ class HFMappingPlanner(LoadPlanner):
         values = torch.empty(spec.shape, dtype=dtype)
         self._staging[key] = values
         box = Box.full(spec.shape)
-        destination = _Destination(values, tuple(values.shape), tuple(values.stride()), 0)
+        destination = LocalView(values, tuple(values.shape), tuple(values.stride()), 0)
         items = [self._item(_STAGING_PREFIX + key, box.offsets, part, part_box.offsets, torch.Size(part_box.sizes))
                  for part, part_box in self.quantized[key].reads(box)]
         dequantization = _Dequantization(key, destination, self.quantized[key], box, len(items), staged=True)
@@ -459,16 +448,6 @@ class HFMappingPlanner(LoadPlanner):
             storage_index=MetadataIndex(key, offsets),
             storage_offsets=torch.Size(offsets),
             lengths=lengths,
-        )
-
-    @staticmethod
-    def _destination(local: torch.Tensor, block: ReadBlock) -> _Destination:
-        strides = local.stride()
-        return _Destination(
-            local,
-            tuple(a.size for a in block.view),
-            tuple(a.step * strides[a.dim] for a in block.view),
-            local.storage_offset() + sum(o * s for o, s in zip(block.origin, strides)),
         )
 
     def _finish_deferred(self, target: str) -> None:

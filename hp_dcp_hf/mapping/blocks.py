@@ -1,9 +1,12 @@
-"""From traced pieces to read blocks: one box of one checkpoint tensor into a view of a local shard."""
+"""From traced pieces to blocks: one box of one checkpoint tensor and the view of a local shard it
+fills on load (and is written from on save)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+
+import torch
 
 from hp_dcp_hf.box import Box
 from hp_dcp_hf.mapping.symbolic import Axis, Piece, RegionTensor, restrict
@@ -71,3 +74,27 @@ def read_blocks(
             origin = tuple(o - g + loc for o, g, loc in zip(part.origin, global_box.offsets, local_offsets))
             blocks.extend(_as_blocks(replace(part, origin=origin), source_ndim[part.key]))
     return blocks
+
+
+@dataclass(frozen=True)
+class LocalView:
+    """The strided view of a local shard that one :class:`ReadBlock` fills or is written from,
+    kept as numbers so the view is made only when its bytes move."""
+
+    tensor: torch.Tensor
+    sizes: tuple[int, ...]
+    strides: tuple[int, ...]
+    offset: int
+
+    @classmethod
+    def of(cls, local: torch.Tensor, block: ReadBlock) -> LocalView:
+        strides = local.stride()
+        return cls(
+            local,
+            tuple(a.size for a in block.view),
+            tuple(a.step * strides[a.dim] for a in block.view),
+            local.storage_offset() + sum(o * s for o, s in zip(block.origin, strides)),
+        )
+
+    def view(self) -> torch.Tensor:
+        return self.tensor.as_strided(self.sizes, self.strides, self.offset)
