@@ -12,29 +12,36 @@ import importlib.util
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from hp_dcp_hf.api import load_hf_checkpoint
+    from hp_dcp_hf.api import load_hf_checkpoint, save_hf_checkpoint
     from hp_dcp_hf.mapping.stages import add_weight_mapping
     from hp_dcp_hf.pipeline import from_pretrained
     from hp_dcp_hf.planner import HFMappingPlanner, LoadReport
-    from hp_dcp_hf.storage import HFStorageReader
+    from hp_dcp_hf.save_planner import HFSavePlanner
+    from hp_dcp_hf.storage import HFStorageReader, HFStorageWriter
 
 __all__ = [
     "HFMappingPlanner",
+    "HFSavePlanner",
     "HFStorageReader",
+    "HFStorageWriter",
     "LoadReport",
     "add_weight_mapping",
     "from_pretrained",
     "load_hf_checkpoint",
+    "save_hf_checkpoint",
 ]
 __version__ = "0.1.0"
 
 _EXPORTS = {
     "HFMappingPlanner": "hp_dcp_hf.planner",
+    "HFSavePlanner": "hp_dcp_hf.save_planner",
     "HFStorageReader": "hp_dcp_hf.storage",
+    "HFStorageWriter": "hp_dcp_hf.storage",
     "LoadReport": "hp_dcp_hf.planner",
     "add_weight_mapping": "hp_dcp_hf.mapping.stages",
     "from_pretrained": "hp_dcp_hf.pipeline",
     "load_hf_checkpoint": "hp_dcp_hf.api",
+    "save_hf_checkpoint": "hp_dcp_hf.api",
 }
 
 

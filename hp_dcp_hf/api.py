@@ -1,20 +1,24 @@
-"""The one-call form: ``load_hf_checkpoint(model, path)``."""
+"""The one-call forms: ``load_hf_checkpoint(model, path)`` and ``save_hf_checkpoint(model, path)``."""
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Collection, Sequence
 from typing import Any, Literal
 
+import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from transformers.core_model_loading import WeightTransform
 
-from hp_dcp_hf.errors import HPDCPHFError
+from hp_dcp_hf.errors import HPDCPHFError, StorageWriteError
 from hp_dcp_hf.planner import HFMappingPlanner, LoadReport
+from hp_dcp_hf.save_planner import HFSavePlanner
 from hp_dcp_hf.storage import HFStorageReader
 from hp_dcp_hf.storage.broadcast import agree_on_failure, should_broadcast
+from hp_dcp_hf.storage.writer import HFStorageWriter
 
 Loader = Literal["dcp", "legacy"]
 
@@ -81,3 +85,39 @@ def unwrap_checkpoint_exception(exc: CheckpointException) -> BaseException:
     """The first rank's own error out of DCP's wrapper, preferring this package's typed errors."""
     errors = [failure[0] if isinstance(failure, tuple) else failure for _, failure in sorted(exc.failures.items())]
     return next((e for e in errors if isinstance(e, HPDCPHFError)), errors[0] if errors else exc)
+
+
+def save_hf_checkpoint(
+    model: nn.Module,
+    path: str | os.PathLike,
+    *,
+    max_shard_size: int | str = "5GB",
+    dtype: torch.dtype | None = None,
+    weights_mapping: Sequence[WeightTransform] | None = None,
+    writer: HFStorageWriter | None = None,
+    planner: HFSavePlanner | None = None,
+) -> None:
+    """Write ``model`` (parallelized, rewritten) to directory ``path`` as the Hugging Face checkpoint
+    ``save_pretrained`` writes for its unsharded, unrewritten form; every rank calls it.
+
+    One parallel pass: each rank writes its own shards' bytes at their final offsets (a replicated
+    tensor by one of its replicas); nothing is gathered. The files appear at their final names only
+    once every rank has written, the index last; a failure on any rank raises
+    :class:`~hp_dcp_hf.errors.StorageWriteError` (or the planning error) on every rank and leaves
+    ``path`` as it was. ``dtype`` casts floating-point tensors on write.
+    """
+    planner = planner or HFSavePlanner(model, weights_mapping=weights_mapping)
+    writer = writer if writer is not None else HFStorageWriter(path, max_shard_size=max_shard_size, dtype=dtype)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.save(model.state_dict(), storage_writer=writer, planner=planner, no_dist=not should_broadcast())
+    except CheckpointException as exc:
+        writer.abort()
+        error = unwrap_checkpoint_exception(exc)
+        if not isinstance(error, HPDCPHFError):
+            error = StorageWriteError(f"{type(error).__name__}: {error}", file=os.fspath(path))
+        raise error from None
+    except BaseException:
+        writer.abort()
+        raise

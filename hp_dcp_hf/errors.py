@@ -51,6 +51,10 @@ class StorageReadError(HPDCPHFError):
     """Reading bytes failed: I/O error, short read, or a file changed since its header was read."""
 
 
+class StorageWriteError(HPDCPHFError):
+    """Writing a checkpoint failed (on any rank): nothing was published at the final names."""
+
+
 class LayoutError(HPDCPHFError):
     """A parameter's placements cannot be loaded into (``Partial``, unknown placement types)."""
 

@@ -96,6 +96,19 @@ def _castable(source: torch.dtype, target: torch.dtype) -> bool:
     return not (source.is_floating_point or target.is_floating_point or torch.bool in (source, target))
 
 
+def alias_groups(model: Any, names: Collection[str]) -> list[tuple[str, ...]]:
+    """State dict keys ``names`` grouped by the tensor they share (tied weights), each group sorted."""
+    ids: dict[str, int] = {}
+    if isinstance(model, nn.Module):
+        for name, tensor in (*model.named_parameters(remove_duplicate=False),
+                             *model.named_buffers(remove_duplicate=False)):
+            ids[name] = id(tensor)
+    groups: dict[Any, list[str]] = defaultdict(list)
+    for name in names:
+        groups[ids.get(name, name)].append(name)
+    return [tuple(sorted(g, key=dot_natural_key)) for g in groups.values()]
+
+
 class HFMappingPlanner(LoadPlanner):
     """Plan DCP reads of a Hugging Face checkpoint into a (parallelized, rewritten) model.
 
@@ -228,7 +241,7 @@ class HFMappingPlanner(LoadPlanner):
         unknown = self.external_target_fqns - set(state_dict)
         if unknown:
             raise PlanningError(f"external targets absent from the model: {_sorted(unknown)}")
-        aliases = self._alias_groups(state_dict)
+        aliases = alias_groups(self.model, [n for n in state_dict if n not in self.external_target_fqns])
         wanted = {name for name in state_dict if name not in self.external_target_fqns}
         composition = self.composition or Composition(
             model_stages(self.model, self.weights_mapping),
@@ -304,19 +317,6 @@ class HFMappingPlanner(LoadPlanner):
                     f"this rank holds {uncovered[0]} of the weight but not every {tensor.block} scale block "
                     f"covering it ({scale} holds {scale_boxes}): shard the scales with the weight's "
                     "block borders, or replicate them", key=name)
-
-    def _alias_groups(self, state_dict: Mapping[str, Any]) -> list[tuple[str, ...]]:
-        """State dict keys grouped by the tensor they share (tied weights)."""
-        ids: dict[str, int] = {}
-        if isinstance(self.model, nn.Module):
-            for name, tensor in (*self.model.named_parameters(remove_duplicate=False),
-                                 *self.model.named_buffers(remove_duplicate=False)):
-                ids[name] = id(tensor)
-        groups: dict[Any, list[str]] = defaultdict(list)
-        for name in state_dict:
-            if name not in self.external_target_fqns:
-                groups[ids.get(name, name)].append(name)
-        return [tuple(sorted(g, key=dot_natural_key)) for g in groups.values()]
 
     def _validate(self, composition: Composition, state_dict, fill: Sequence[str], sources) -> None:
         problems = []

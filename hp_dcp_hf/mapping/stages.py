@@ -60,6 +60,12 @@ def model_stages(model: nn.Module, weights_mapping: Sequence[WeightTransform] | 
     return [list(weights_mapping), *recorded_stages(model)]
 
 
+def original_class(model: nn.Module) -> type:
+    """``model``'s class before FSDP2 wrapped it (``FSDPLlamaForCausalLM`` -> ``LlamaForCausalLM``)."""
+    cls = type(model)
+    return next(c for c in cls.__mro__ if not issubclass(c, FSDPModule)) if isinstance(model, FSDPModule) else cls
+
+
 @contextmanager
 def _original_classes(model: nn.Module) -> Iterator[None]:
     """Show transformers the classes FSDP2 wrapped.
@@ -70,8 +76,8 @@ def _original_classes(model: nn.Module) -> Iterator[None]:
     """
     wrapped = [(m, type(m)) for m in model.modules() if isinstance(m, FSDPModule)]
     try:
-        for module, cls in wrapped:
-            module.__class__ = next(c for c in cls.__mro__[1:] if not issubclass(c, FSDPModule))
+        for module, _ in wrapped:
+            module.__class__ = original_class(module)
         yield
     finally:
         for module, cls in wrapped:

@@ -1,4 +1,5 @@
-"""Bytes of safetensors checkpoints: locate files, validate headers, read exact byte ranges."""
+"""Bytes of safetensors checkpoints: locate files, validate headers, read exact byte ranges, write
+new checkpoints in place."""
 
 from hp_dcp_hf.storage.catalog import INDEX_FILE, Catalog, find_files, parse_index, scan
 from hp_dcp_hf.storage.dtypes import SAFETENSORS_DTYPES, SafetensorsDtype, lookup_dtype
@@ -8,6 +9,7 @@ from hp_dcp_hf.storage.ranges import Piece, Request, box_byte_ranges, coalesce, 
 from hp_dcp_hf.storage.reader import HFStorageReader
 from hp_dcp_hf.storage.remote import RetryPolicy
 from hp_dcp_hf.storage.stats import FileStats, ReadStats
+from hp_dcp_hf.storage.writer import HFStorageWriter
 
 __all__ = [
     "INDEX_FILE",
@@ -18,6 +20,7 @@ __all__ = [
     "FileHeader",
     "FileStats",
     "HFStorageReader",
+    "HFStorageWriter",
     "Piece",
     "RangeFile",
     "ReadStats",
