@@ -155,8 +155,9 @@ class HFStorageWriter(StorageWriter):
         itemsize = tensor.dtype.itemsize
         written = 0
         for part in split_box(box, itemsize, max(itemsize, self.staging_bytes), tensor.shape):
-            values = data[part.relative_to(box.offsets).slices()].to(tensor.dtype).contiguous()
-            raw = memoryview(values.reshape(-1).view(torch.uint8).numpy())
+            values = torch.empty(part.sizes, dtype=tensor.dtype)  # row-major, cast on the copy
+            values.copy_(data[part.relative_to(box.offsets).slices()])
+            raw = memoryview(values.view(-1).view(torch.uint8).numpy())
             position = 0
             for start, end in box_byte_ranges(tensor.shape, itemsize, part):
                 length = end - start
