@@ -216,12 +216,22 @@ def cmd_load(args: argparse.Namespace) -> int:
             with torch.no_grad():
                 out = model(input_ids=ids).logits
             logits = {"shape": list(out.shape), "mean": float(out.float().mean()), "finite": bool(out.isfinite().all())}
+        written = save_s = None
+        if args.save_to:
+            from hp_dcp_hf.api import save_hf_checkpoint
+            from hp_dcp_hf.storage import HFStorageWriter
+
+            writer = HFStorageWriter(args.save_to, max_shard_size=args.max_shard_size)
+            start = time.perf_counter()
+            save_hf_checkpoint(model, args.save_to, writer=writer)
+            written, save_s = writer.bytes_written, time.perf_counter() - start
         row = {
             "rank": rank, "bytes_needed": report.plan.bytes_needed, "bytes_read": report.read.bytes_read,
             "requests": report.read.requests, "load_s": report.seconds["load"], "read_s": reader.read_seconds,
             "total_s": total_s,
             "loaded": len(report.loaded_keys), "missing": len(report.missing_keys),
             "unexpected": len(report.unexpected_keys), "initialized": len(report.initialized_keys),
+            "bytes_written": written, "save_s": save_s,
         }
         rows: list[dict[str, Any]] = [{}] * world
         dist.all_gather_object(rows, row)
@@ -246,6 +256,10 @@ def cmd_load(args: argparse.Namespace) -> int:
           f"initialized by the model {rows[0]['initialized']}")
     if logits is not None:
         print(f"forward: logits {logits['shape']}, mean {logits['mean']:.6f}, finite={logits['finite']}")
+    if args.save_to:
+        print(f"saved to {args.save_to} as save_pretrained writes it, each rank its own bytes: "
+              + ", ".join(f"rank {r['rank']} {fmt_bytes(r['bytes_written'])} in {r['save_s']:.2f} s" for r in rows)
+              + f"; {fmt_bytes(sum(r['bytes_written'] for r in rows))} in all")
     return 0
 
 
@@ -328,6 +342,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--loader", default="dcp", choices=("dcp", "legacy"),
                    help="dcp: each rank reads only its shards' bytes; legacy: whole tensors, then slice")
     p.add_argument("--forward", action="store_true", help="run one forward pass after loading")
+    p.add_argument("--save-to", default=None, metavar="DIR",
+                   help="then save the loaded model to DIR as a Hugging Face checkpoint (one parallel write pass, "
+                        "published atomically; default: no save)")
+    p.add_argument("--max-shard-size", default="5GB", help="with --save-to: save_pretrained's file size limit (default 5GB)")
     p.set_defaults(func=cmd_load)
 
     p = command("demo", "generate a small MoE checkpoint and load it on 4 ranks")

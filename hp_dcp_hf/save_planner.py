@@ -152,16 +152,18 @@ class HFSavePlanner(SavePlanner):
     def plan_writes(self, state_dict: Mapping[str, Any]) -> tuple[list[WriteItem], SaveRequest]:
         """Validate everything and return this rank's WriteItems and what its writer needs."""
         specs, storage, skeleton = saved_tensors(self.model, self.dtype)
-        fill = sorted((group[0] for group in alias_groups(self.model, list(state_dict))), key=dot_natural_key)
         composition = Composition(
             model_stages(self.model, self.weights_mapping),
             specs,
-            set(fill),
+            set(state_dict),
             stage_shapes=[{}, *recorded_source_shapes(self.model)],
             model=self.model,
             config=getattr(self.model, "config", None),
             base_model_prefix=getattr(self.model, "base_model_prefix", None),
         )
+        # One name per tied group, the one the checkpoint makes (embed_tokens, not its lm_head alias)
+        groups = alias_groups(self.model, list(state_dict))
+        fill = sorted((next((n for n in g if n in composition.traced), g[0]) for g in groups), key=dot_natural_key)
         self._check_inverse(composition, state_dict, fill, specs)
         source_ndim = {key: len(spec.shape) for key, spec in specs.items()}
         items: list[WriteItem] = []

@@ -379,6 +379,20 @@ def test_load_single_process_json(capsys, llama):
     assert result["logits"]["finite"] and result["logits"]["shape"] == [2, 8, 101]
 
 
+def test_load_save_to_writes_the_checkpoint_back(capsys, llama, tmp_path):
+    """``load --save-to``: the loaded model saved back is the checkpoint it came from."""
+    from tests.conftest import DEFAULT_SHARD_SIZE
+    from tests.test_save import assert_same_checkpoint
+
+    code, out, err = _run_cli(capsys, "load", str(llama.path), "--dtype", "bfloat16", "--json",
+                              "--save-to", str(tmp_path / "saved"), "--max-shard-size", str(DEFAULT_SHARD_SIZE))
+    assert code == 0, err
+    (row,) = json.loads(out)["ranks"]
+    assert row["bytes_written"] == sum(f.stat().st_size for f in llama.path.glob("*.safetensors")) - sum(
+        8 + int.from_bytes(f.read_bytes()[:8], "little") for f in llama.path.glob("*.safetensors"))
+    assert_same_checkpoint(tmp_path / "saved", llama.path)
+
+
 @pytest.mark.parametrize("rank, world", [(None, None), (0, 2), (1, 2)])
 def test_load_mesh_larger_than_the_launch_names_torchrun_once(capsys, llama, monkeypatch, rank, world):
     import torch.distributed as dist

@@ -135,3 +135,16 @@ def test_a_model_without_a_config_is_refused_before_writing(tmp_path):
     with pytest.raises(PlanningError):
         hp_dcp_hf.save_hf_checkpoint(torch.nn.Linear(3, 4), tmp_path / "ours")
     assert not (tmp_path / "ours").exists() or not any((tmp_path / "ours").iterdir())
+
+
+def test_tied_embeddings_are_written_once(tiny_checkpoints, tmp_path):
+    """A tied lm_head is not a checkpoint tensor: the embedding is written under the name
+    ``save_pretrained`` keeps, once."""
+    from tests.conftest import DEFAULT_SHARD_SIZE
+    from tests.models import model_class
+
+    llama = tiny_checkpoints("llama", torch.bfloat16)
+    model, _ = hp_dcp_hf.from_pretrained(str(llama.path), dtype=torch.bfloat16, model_cls=model_class("llama"))
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    hp_dcp_hf.save_hf_checkpoint(model, tmp_path / "ours", max_shard_size=DEFAULT_SHARD_SIZE)
+    assert_same_checkpoint(tmp_path / "ours", llama.path)
