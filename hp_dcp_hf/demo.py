@@ -9,7 +9,8 @@
    (TP attention, FSDP2 blocks, experts FSDP-sharded over all ranks) and loads it with the
    planner, recording every byte range it reads; then loads a second copy with the legacy loader
    (whole tensors, converted in memory), checks every parameter shard is bit-identical, and runs a
-   forward pass through both (rank 0 also against transformers' single-process ``from_pretrained``).
+   forward pass through both (rank 0 also against transformers' single-process ``from_pretrained``);
+   then saves the model back (``save_hf_checkpoint``, same layout) and loads that again.
 4. Prints the per-rank table, the read amplification (bytes read / bytes needed) of both loaders,
    each against the same need (the bytes the ranks' shards need), whether the plan predicted the
    reads exactly, and draws which byte ranges of each file each rank read (``reads.png``; ``reads_legacy.png`` for the legacy loader).
@@ -157,7 +158,23 @@ def _rank_main(rank: int, world: int, port: int, ckpt: str, mesh_spec: str, tran
                 "loaded": len(report.loaded_keys), "missing": list(report.missing_keys),
                 "unexpected": list(report.unexpected_keys), "initialized": list(report.initialized_keys),
             }
+        # Save the loaded model under the same layout (one parallel write pass), load it back.
+        from hp_dcp_hf.api import save_hf_checkpoint
+        from hp_dcp_hf.storage import HFStorageWriter
+
+        saved_path = str(Path(out_dir) / "saved")
+        # bf16 as the checkpoint holds its values (an FP8 checkpoint's values need the model's float32)
+        quantized = "quantization_config" in json.loads(Path(ckpt, "config.json").read_text())
+        writer = HFStorageWriter(saved_path, max_shard_size=SHARD_SIZE, dtype=None if quantized else torch.bfloat16)
+        start = time.perf_counter()
+        save_hf_checkpoint(models["dcp"], saved_path, writer=writer)
+        save = {"bytes_written": writer.bytes_written, "save_s": time.perf_counter() - start}
+        reloaded, _ = from_pretrained(saved_path, dtype=torch.float32, transforms=transforms,
+                                      parallelize=parallelize_for(mesh_spec))
         state = models["dcp"].state_dict()
+        again = reloaded.state_dict()
+        save["mismatched"] = sorted(k for k, v in state.items() if not torch.equal(local_tensor(v), local_tensor(again[k])))
+        del reloaded, again
         legacy_state = models["legacy"].state_dict()
         mismatched = sorted(k for k, v in state.items() if not torch.equal(local_tensor(v), local_tensor(legacy_state[k])))
         ids = torch.randint(DEMO_CONFIG["vocab_size"], (2, 32), generator=torch.Generator().manual_seed(0))
@@ -166,7 +183,7 @@ def _rank_main(rank: int, world: int, port: int, ckpt: str, mesh_spec: str, tran
             legacy_logits = models["legacy"](input_ids=ids).logits
         result = {
             "rank": rank, "coordinate": list(coordinate), "layout": layout,
-            "dcp": loads["dcp"], "legacy": loads["legacy"], "tensors": len(state), "mismatched": mismatched,
+            "dcp": loads["dcp"], "legacy": loads["legacy"], "save": save, "tensors": len(state), "mismatched": mismatched,
             "logits_equal": bool(torch.equal(logits, legacy_logits)),
             "logits_finite": bool(logits.isfinite().all()),
         }
@@ -303,15 +320,18 @@ def run(args: argparse.Namespace) -> int:
         rows.append((r["rank"], ",".join(map(str, r["coordinate"])), fmt_bytes(d["bytes_needed"]),
                      fmt_bytes(d["bytes_read"]), d["requests"], f"{d['load_s']:.2f}", f"{d['read_s']:.2f}",
                      f"{d['bytes_read'] / max(d['read_s'], 1e-9) / 1e9:.2f}",
-                     fmt_bytes(lg["bytes_read"]), lg["requests"], f"{lg['load_s']:.2f}"))
+                     fmt_bytes(lg["bytes_read"]), lg["requests"], f"{lg['load_s']:.2f}",
+                     fmt_bytes(r["save"]["bytes_written"]), f"{r['save']['save_s']:.2f}"))
     needed = sum(r["dcp"]["bytes_needed"] for r in results)
     read = sum(r["dcp"]["bytes_read"] for r in results)
     legacy_read = sum(r["legacy"]["bytes_read"] for r in results)
+    written = sum(r["save"]["bytes_written"] for r in results)
     rows.append(("all", "", fmt_bytes(needed), fmt_bytes(read), sum(r["dcp"]["requests"] for r in results), "", "",
-                 "", fmt_bytes(legacy_read), sum(r["legacy"]["requests"] for r in results), ""))
+                 "", fmt_bytes(legacy_read), sum(r["legacy"]["requests"] for r in results), "", fmt_bytes(written), ""))
     print(table(("rank", "coord", "bytes needed", "bytes read", "requests", "load s", "read s", "GB/s",
-                 "legacy read", "legacy req", "legacy load s"), rows))
-    print("(load s: the whole dcp.load, metadata and plan exchange included; read s and GB/s: its reads)")
+                 "legacy read", "legacy req", "legacy load s", "saved", "save s"), rows))
+    print("(load s: the whole dcp.load, metadata and plan exchange included; read s and GB/s: its reads; "
+          "saved: the bytes each rank wrote saving the model back)")
     print()
     checks: list[tuple[str, bool, str]] = []
     print(f"read amplification      {read / max(needed, 1):.3f}  (dcp loader: bytes read / bytes the ranks' "
@@ -326,6 +346,17 @@ def run(args: argparse.Namespace) -> int:
     )
     checks.append(("plan", predicted, "the plan (no process group) predicted every rank's byte ranges exactly"
                    if predicted else "the plan and the measured reads DIFFER"))
+    resaved = {r["rank"]: r["save"]["mismatched"] for r in results if r["save"]["mismatched"]}
+    saved_bytes = inspect_checkpoint(str(out / "saved"))["tensor_bytes"]
+    same_files = info["quantization"] is not None or _same_tensors(out / "saved", ckpt)
+    save_ok = not resaved and written == saved_bytes and same_files
+    checks.append(("save", save_ok,
+                   f"saved back in one parallel pass as save_pretrained lays it out ({fmt_bytes(written)} written, "
+                   "each byte of the files once; "
+                   + ("the same files, keys and bits as the checkpoint" if info["quantization"] is None else
+                      "dequantized values, float32") + ") and reloaded bit-identical on every rank"
+                   if save_ok else f"save DIFFERS: {fmt_bytes(written)} written for {fmt_bytes(saved_bytes)} of "
+                   f"tensor data; same files as the checkpoint: {same_files}; mismatched after reload {resaved}"))
     mismatched = {r["rank"]: r["mismatched"] for r in results if r["mismatched"]}
     checks.append(("parameters", not mismatched,
                    f"all {results[0]['tensors']} state-dict tensors bit-identical to the legacy loader on every rank"
@@ -371,6 +402,21 @@ def run(args: argparse.Namespace) -> int:
     print(f"{'picture':<23}      {pictures[0]} (legacy: {pictures[1].name})")
     print(f"{'output':<23}      {out}  ({time.perf_counter() - wall:.0f} s in all)")
     return 0 if all(ok for _, ok, _ in checks) else 1
+
+
+def _same_tensors(saved: Path, original: Path) -> bool:
+    """The same safetensors files, each with the same keys and bit-identical tensors."""
+    import torch
+    from safetensors.torch import load_file
+
+    files = sorted(p.name for p in original.glob("*.safetensors"))
+    if sorted(p.name for p in saved.glob("*.safetensors")) != files:
+        return False
+    for name in files:
+        a, b = load_file(saved / name), load_file(original / name)
+        if a.keys() != b.keys() or not all(torch.equal(a[k], b[k]) for k in a):
+            return False
+    return True
 
 
 def _catalog(ckpt: Path):
