@@ -155,9 +155,13 @@ class HFStorageWriter(StorageWriter):
         itemsize = tensor.dtype.itemsize
         written = 0
         for part in split_box(box, itemsize, max(itemsize, self.staging_bytes), tensor.shape):
-            values = torch.empty(part.sizes, dtype=tensor.dtype)  # row-major, cast on the copy
-            values.copy_(data[part.relative_to(box.offsets).slices()])
-            raw = memoryview(values.view(-1).view(torch.uint8).numpy())
+            source = data[part.relative_to(box.offsets).slices()]
+            flat = source.reshape(-1) if source.dtype == tensor.dtype and source.is_contiguous() else None
+            if flat is None or flat.stride() != (1,):  # strided or cast: through a row-major buffer
+                flat = torch.empty(part.sizes, dtype=tensor.dtype)
+                flat.copy_(source)
+                flat = flat.view(-1)
+            raw = memoryview(flat.view(torch.uint8).numpy())
             position = 0
             for start, end in box_byte_ranges(tensor.shape, itemsize, part):
                 length = end - start
