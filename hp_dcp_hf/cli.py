@@ -344,8 +344,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--forward", action="store_true", help="run one forward pass after loading")
     p.add_argument("--save-to", default=None, metavar="DIR",
                    help="then save the loaded model to DIR as a Hugging Face checkpoint (one parallel write pass, "
-                        "published atomically; default: no save)")
-    p.add_argument("--max-shard-size", default="5GB", help="with --save-to: save_pretrained's file size limit (default 5GB)")
+                        "published atomically)")
+    p.add_argument("--max-shard-size", default="5GB", help="with --save-to: save_pretrained's file size limit")
     p.set_defaults(func=cmd_load)
 
     p = command("demo", "generate a small MoE checkpoint and load it on 4 ranks")
