@@ -4,11 +4,14 @@
     python -m bench --size full          # ~2 GB checkpoints (the real run)
     python -m bench --parts loads --worlds 4 --contenders limit,dcp,legacy
     python -m bench --parts remote --size 1GB                # the MoE checkpoint from a local S3 server
+    python -m bench --parts quantized --size full            # FP8 MoE checkpoint (~1 GB) into bf16, 4 ranks
     python -m bench --render bench/results/2025-01-01.json   # re-render a report
 
 Parts: ``loads`` (contenders side by side on 1, 2, 4 ranks), ``real`` (SmolLM2-135M with TP,
 logits checked), ``simulate`` (cluster-scale planning), ``multinode`` (two torchrun launchers),
-``remote`` (the MoE checkpoint from a local moto S3 server on 4 ranks, against s3fs whole files).
+``remote`` (the MoE checkpoint from a local moto S3 server on 4 ranks, against s3fs whole files),
+``quantized`` (an FP8 block-scaled MoE checkpoint into bf16 on 4 ranks: this project, torch's
+quantized reader, transformers, the raw-read limit).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "bench" / "README.md"
 TABLE_START, TABLE_END = "<!-- bench:table:start -->", "<!-- bench:table:end -->"
-PARTS = ("loads", "real", "simulate", "multinode", "remote")
+PARTS = ("loads", "real", "simulate", "multinode", "remote", "quantized")
 
 
 def _quiet_environment(cache_dir: Path) -> None:
@@ -58,6 +61,7 @@ def _ints(text: str) -> list[int]:
 
 def build_parser() -> argparse.ArgumentParser:
     from bench.contenders import CONTENDERS
+    from bench.quantized import CONTENDERS as QUANTIZED_CONTENDERS
     from bench.remote import CONTENDERS as REMOTE_CONTENDERS
 
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
@@ -82,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--real-world", type=int, default=3, help="TP ranks of the SmolLM2 row (9/3 heads: 3)")
     p.add_argument("--remote-contenders", default=",".join(REMOTE_CONTENDERS),
                    help="contenders of the remote part (4 ranks, MoE checkpoint on moto S3)")
+    p.add_argument("--quantized-contenders", default=",".join(QUANTIZED_CONTENDERS),
+                   help="contenders of the quantized part (4 ranks, dp=2,tp=2, FP8 MoE checkpoint into bf16)")
     p.add_argument("--render", default=None, metavar="JSON", help="only re-render an existing results file")
     p.add_argument("--update-readme", action="store_true", help="put the loads table into README's Benchmarks section")
     return p
@@ -198,6 +204,20 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  error: {doc['remote']['error']}")
         doc["not_run"] += [f"remote {r['contender']}: {r['skipped']}" for r in doc["remote"].get("contenders", [])
                            if r.get("skipped")]
+    if "quantized" in parts:
+        from bench.quantized import ensure_fp8_workload, run_quantized
+
+        print("quantized (FP8 block-scaled MoE checkpoint into bf16, 4 ranks):")
+        try:
+            fp8 = ensure_fp8_workload(size, cache_dir)
+            doc["quantized"] = run_quantized(
+                fp8, reps=args.reps, warmup=args.warmup, threads=args.threads, timeout=args.timeout,
+                contenders=[c.strip() for c in args.quantized_contenders.split(",") if c.strip()])
+        except Exception as e:
+            import traceback
+
+            doc["quantized"] = {"error": f"{type(e).__name__}: {str(e)[-1500:]}", "traceback": traceback.format_exc()}
+            print(f"  error: {doc['quantized']['error']}")
     doc["elapsed_s"] = time.perf_counter() - started
     from bench.report import machine
 

@@ -314,13 +314,7 @@ def run_limit(job: Job, rank: int) -> list[Row]:
     row.local_param_bytes = layouts.local_bytes(model)
     del model, planner
     try:
-        for _ in range(job.warmup):
-            raw.read(job.threads)
-        for _ in range(job.reps):
-            with measure.timed_across_ranks() as timer:
-                got = raw.read(job.threads)
-            row.wall_s.append(timer.wall_s)
-            row.own_s.append(timer.own_s)
+        got = time_reads(raw, job, row)
         row.bytes_needed, row.bytes_read = raw.total, got
         row.ranges = sum(len(r) for r in ranges.values())
         row.requests = raw.requests
@@ -416,13 +410,7 @@ def run_rank(rank: int, world: int, job: Job) -> list[dict[str, Any]]:
     import os
 
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    try:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.set_verbosity_error()
-        hf_logging.disable_progress_bar()
-    except ImportError:
-        pass
+    quiet_transformers()
     try:
         rows = RUNNERS[job.contender](job, rank)
     except Exception as e:
@@ -430,3 +418,28 @@ def run_rank(rank: int, world: int, job: Job) -> list[dict[str, Any]]:
         row.extra["traceback"] = traceback.format_exc()
         rows = [row]
     return [r.as_dict() for r in rows]
+
+
+def time_reads(raw, job: Job, row: Row) -> int:
+    """``raw.read`` ``job.warmup`` times untimed, then ``job.reps`` times timed across the ranks into
+    ``row``; the bytes the last one read."""
+    for _ in range(job.warmup):
+        raw.read(job.threads)
+    got = 0
+    for _ in range(job.reps):
+        with measure.timed_across_ranks() as timer:
+            got = raw.read(job.threads)
+        row.wall_s.append(timer.wall_s)
+        row.own_s.append(timer.own_s)
+    return got
+
+
+def quiet_transformers() -> None:
+    """transformers' logging at errors only, no progress bars (in a spawned rank)."""
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+    except ImportError:
+        pass

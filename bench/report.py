@@ -233,6 +233,88 @@ def remote_section(doc: dict[str, Any]) -> list[str]:
     return lines
 
 
+def quantized_section(doc: dict[str, Any]) -> list[str]:
+    """The quantized part (``doc["quantized"]``, :mod:`bench.quantized`) as Markdown lines; [] when not run."""
+    q = doc.get("quantized")
+    if not q:
+        return []
+    lines = ["## Quantized (FP8 block-scaled MoE into bf16)", ""]
+    if q.get("error"):
+        return lines + [f"error: {q['error']}", ""]
+    quant = q.get("quantization") or {}
+    lines += [f"`{q['checkpoint']}`: {q['model_class']}, {q['num_layers']} layers, {human(q['checkpoint_bytes'])} in "
+              f"{q['files']} files ({q['tensors']} tensors; {human(q['bf16_bytes'] or 0)} as bf16 before quantization), "
+              f"{quant.get('format')}: {quant.get('weights')} weights, {human(quant.get('weight_bytes') or 0)} FP8 + "
+              f"{human(quant.get('scale_bytes') or 0)} scales; the rest bf16. {q['world']} ranks, mesh {q['mesh']} "
+              f"(transformers' plans), {q['threads']} threads per rank, {q['warmup']} warm-up + {q['reps']} timed loads; "
+              "wall: slowest rank, median. Bytes per rank (max over ranks); dcp's and limit's split into FP8 "
+              "weights / scales / bf16 tensors as planned. Dequantize: the planner's `_dequantize` calls on the "
+              "reader threads, wall time during which one ran over the rank's load (range over ranks).", "",
+              "| contender | wall s (median) | vs limit | vs dcp | bytes read / rank | FP8 / scales / bf16 per rank | "
+              "requests / rank | dequantize share | RSS growth / rank | correct |",
+              "|" + "|".join("---" for _ in range(10)) + "|"]
+    records = {r["contender"]: r for r in q["contenders"]}
+    limit, dcp = records.get("limit", {}).get("wall_s"), records.get("dcp", {}).get("wall_s")
+    ok = {True: "yes", False: "**NO**", None: "n/a"}
+    for r in q["contenders"]:
+        ranks = r.get("per_rank", [])
+        reads = [p["bytes_read"] for p in ranks if p.get("bytes_read") is not None]
+        reqs = [p["requests"] for p in ranks if p.get("requests") is not None]
+        split = "-"
+        if ranks and ranks[0].get("quantized_bytes") is not None:
+            top = max(ranks, key=lambda p: p["bytes_needed"])
+            split = f"{human(top['quantized_bytes'])} / {human(top['scale_bytes'])} / {human(top['plain_bytes'])}"
+        shares = [p["dequant_share"] for p in ranks if p.get("dequant_share") is not None]
+        share = f"{min(shares):.0%}-{max(shares):.0%}" if shares else "-"
+        wall = _fmt(r.get("wall_s"), "s") if r.get("wall_s") else ("**error**" if r.get("errors") else "-")
+        growth = [p["rss_growth"] for p in ranks if p.get("rss_growth") is not None]
+        lines.append("| " + " | ".join([
+            r["contender"], wall, _fmt(r["wall_s"] / limit if r.get("wall_s") and limit else None, "x"),
+            _fmt(r["wall_s"] / dcp if r.get("wall_s") and dcp else None, "x"), _fmt(max(reads) if reads else None, "b"),
+            split, _fmt(max(reqs) if reqs else None), share, _fmt(max(growth) if growth else None, "b"),
+            f"**NO**: failed on {len(r['errors'])} of {r['ranks']} ranks, {r.get('mismatched_count', 0)} tensors differ "
+            "on the others" if r.get("errors") else ok[r.get("correct")]]) + " |")
+    lines += ["", "Per rank (own time: median of the timed loads; for a contender that failed on some ranks, the time "
+              "each rank took to load or to raise):", "",
+              "| contender | rank | own s | bytes read | dcp phases: metadata / plan / read s | dequantize busy / summed s "
+              "(share) | outcome |", "|---|---|---|---|---|---|---|"]
+    for r in q["contenders"]:
+        for p in r.get("per_rank", []):
+            phases = p.get("phases") or {}
+            phase = " / ".join(f"{phases[k]:.3f}" for k in ("metadata_s", "plan_s", "read_s") if k in phases) or "-"
+            deq = (f"{p['dequant_busy_s']:.3f} / {p['dequant_sum_s']:.3f} ({p['dequant_share']:.0%})"
+                   if p.get("dequant_busy_s") is not None else "-")
+            outcome = ("error: " + p["error"].splitlines()[0][:100].replace("|", "/")) if p.get("error") else "loaded"
+            lines.append(f"| {r['contender']} | {p['rank']} | {_fmt(p.get('own_s'), 's')} | "
+                         f"{_fmt(p.get('bytes_read'), 'b')} | {phase} | {deq} | {outcome} |")
+    ratios = q.get("ratios", {})
+    names = {"dcp_vs_limit": "dcp / limit", "torch_vs_dcp": "torch / dcp", "transformers_vs_dcp": "transformers / dcp",
+             "transformers_load_part_vs_dcp": "transformers' load part / dcp",
+             "transformers_loaded_ranks_vs_dcp": "transformers / dcp on the ranks where transformers loaded"}
+    if ratios:
+        lines += ["", "Wall-time ratios, same run: " + "; ".join(f"{names.get(k, k)} {v:.2f}x" for k, v in ratios.items())
+                  + "."]
+    lines.append("")
+    for r in q["contenders"]:
+        notes = []
+        if r.get("errors"):
+            notes.append(f"failed on ranks {', '.join(sorted(r['errors']))} ({r.get('failed_at') or 'first load'}): "
+                         + "; ".join(sorted({e.splitlines()[0][:200] for e in r["errors"].values()}))
+                         + (f", raised in {r['raised_in']}" if r.get("raised_in") else ""))
+        if r.get("check") and r.get("correct") is not None:
+            differing = r.get("differing") or {}
+            notes.append(f"values {r['check']}: {r.get('mismatched_count', 0)} differ"
+                         + (f" (ranks checked: {r.get('checked_ranks')}"
+                            + (f"; tensors compared: {r['compared_tensors']})" if r.get("compared_tensors") else ")")
+                            if r.get("checked_ranks") is not None else "")
+                         + ("; e.g. " + "; ".join(f"{k}: {v}" for k, v in list(differing.items())[:3]) if differing else ""))
+        if r.get("layout_differs"):
+            notes.append(f"not compared (layout differs from dcp's): {', '.join(r['layout_differs'][:5])}")
+        notes += r.get("notes", [])
+        lines += [f"- `{r['contender']}`: {n}" for n in notes]
+    return lines + [""]
+
+
 def render_markdown(doc: dict[str, Any]) -> str:
     m = doc["machine"]
     parts = [f"# hp-dcp-hf benchmark, {doc['date']}", "",
@@ -283,6 +365,7 @@ def render_markdown(doc: dict[str, Any]) -> str:
                       f"{max(r['wall_s'] for r in mn['ranks']):.3f} s; bytes read per rank "
                       f"{', '.join(human(r['bytes_read']) for r in mn['ranks'])}.", ""]
     parts += remote_section(doc)
+    parts += quantized_section(doc)
     if doc.get("targets"):
         parts += ["## Targets", "", "| target | met | value | note |", "|---|---|---|---|"]
         parts += [f"| {t['target']} | {'yes' if t['met'] else '**no**'} | {t['value']} | {t['note']} |"

@@ -23,11 +23,13 @@ it adds to every model's conversions).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from hp_dcp_hf.box import Box
@@ -92,12 +94,35 @@ class BlockScaled:
 
     def dequantize(self, weight: torch.Tensor, scale: torch.Tensor, box: Box) -> torch.Tensor:
         """float32 values of ``box`` from its quantized ``weight`` and the :meth:`scale_box` part of
-        the scales, at the box's global offsets (one vectorized multiply)."""
-        index = [
-            torch.arange(start, start + size) // block - start // block
-            for start, size, block in zip(box.offsets[-2:], box.sizes[-2:], self.block)
-        ]
-        return weight.to(torch.float32) * scale_values(scale)[..., index[0][:, None], index[1][None, :]]
+        the scales, at the box's global offsets.
+
+        Decoded once, then scaled in place band by band: rows and columns cut at block borders
+        (a partial block at each end, whole blocks between), each band of blocks multiplied by
+        its scales in one broadcast multiply, with no per-element scale tensor.
+        """
+        values = as_float32(weight)
+        if values is weight:  # a float32 "quantized" weight: keep the read buffer as read
+            values = values.clone()
+        scales = scale_values(scale)
+        lead = values.shape[:-2]
+        for r0, r1, s0, s1 in _bands(box.offsets[-2], box.sizes[-2], self.block[0]):
+            for c0, c1, t0, t1 in _bands(box.offsets[-1], box.sizes[-1], self.block[1]):
+                band = values[..., r0:r1, c0:c1].view(*lead, s1 - s0, (r1 - r0) // (s1 - s0), t1 - t0, (c1 - c0) // (t1 - t0))
+                band.mul_(scales[..., s0:s1, None, t0:t1, None])
+        return values
+
+
+def _bands(start: int, size: int, block: int) -> list[tuple[int, int, int, int]]:
+    """``[start, start + size)`` cut at multiples of ``block``: ``(lo, hi, first scale, end scale)``
+    relative to ``start`` and to its first block, for a leading partial block, the whole blocks,
+    and a trailing partial block (each band holds whole blocks or one block)."""
+    end, first = start + size, start // block
+    cuts = sorted({start, min(end, -(-start // block) * block), max(start, end // block * block), end})
+    bands = []
+    for lo, hi in zip(cuts, cuts[1:]):
+        if hi > lo:
+            bands.append((lo - start, hi - start, lo // block - first, -(-hi // block) - first))
+    return bands
 
 
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -145,6 +170,20 @@ class Mxfp4:
         start = box.offsets[1] - g0 * MXFP4_GROUP
         columns = scaled.flatten(-2)[..., start : start + box.sizes[1]]  # [E, R, C]
         return columns.transpose(1, 2)
+
+
+@functools.cache
+def _decode_table(dtype: torch.dtype) -> np.ndarray:
+    """float32 value of each of the 256 bit patterns of a one-byte float dtype, as torch converts them."""
+    return torch.arange(256, dtype=torch.uint8).view(dtype).to(torch.float32).numpy()
+
+
+def as_float32(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor.to(torch.float32)``, bit for bit; one-byte floats (FP8) through a 256-entry table,
+    about 3x faster than torch's own CPU conversion."""
+    if tensor.dtype in _FP8 and tensor.is_contiguous():
+        return torch.from_numpy(_decode_table(tensor.dtype)[tensor.view(torch.uint8).numpy()])
+    return tensor.to(torch.float32)
 
 
 def scale_values(scale: torch.Tensor) -> torch.Tensor:
