@@ -107,6 +107,7 @@ def run_rank(rank: int, world: int, path: str, mesh: str, out_root: str, contend
 
     import torch
     import torch.distributed as dist
+    from torch.distributed.checkpoint.api import CheckpointException
 
     from bench.measure import memory_window
     from hp_dcp_hf import from_pretrained
@@ -136,8 +137,12 @@ def run_rank(rank: int, world: int, path: str, mesh: str, out_root: str, contend
                     times.append(elapsed)
                     growth = max(growth, window.peak_rss - window.start_rss)
             rows[contender] = {"wall_s": times, "bytes_written": written, "rss_growth": growth}
-        except Exception as e:  # noqa: BLE001 - recorded, the other contenders still run
-            rows[contender] = {"error": f"{type(e).__name__}: {str(e)[-800:]}"}
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - recorded, the others still run
+            if isinstance(e, CheckpointException):
+                from hp_dcp_hf.api import unwrap_checkpoint_exception
+
+                e = unwrap_checkpoint_exception(e)
+            rows[contender] = {"error": f"{type(e).__name__}: {str(e)[:800]}"}
             dist.barrier()
     return rows
 
@@ -203,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--timeout", type=float, default=1800)
+    p.add_argument("--name", default=None, help="report file stem (default: <date>-save-<size>)")
     args = p.parse_args(argv)
     from bench.__main__ import _quiet_environment
     from bench.report import machine
@@ -219,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         results.append(run_save(workload, contenders=args.contenders.split(","), reps=args.reps, warmup=args.warmup,
                                 timeout=args.timeout, out_root=cache / "save-out"))
         print(markdown(results[-1:]), flush=True)
-    stem = Path(args.out) / f"{time.strftime('%Y-%m-%d')}-save-{size_tag(size)}"
+    stem = Path(args.out) / (args.name or f"{time.strftime('%Y-%m-%d')}-save-{size_tag(size)}")
     stem.parent.mkdir(parents=True, exist_ok=True)
     doc = {"size": size, "results": results, "machine": machine(), "load_average": [load_start, os.getloadavg()]}
     stem.with_suffix(".json").write_text(json.dumps(doc, indent=2))
