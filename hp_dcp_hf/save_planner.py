@@ -63,21 +63,18 @@ class SaveRequest:
     index_metadata: dict[str, Any] = field(default_factory=dict)  # total_parameters
 
 
-def saved_tensors(
-    model: nn.Module, dtype: torch.dtype | None = None
-) -> tuple[dict[str, TensorSpec], dict[str, tuple[int, int]], nn.Module]:
+def saved_tensors(model: nn.Module) -> tuple[dict[str, TensorSpec], dict[str, tuple[int, int]], nn.Module]:
     """The tensors ``save_pretrained`` writes for ``model``'s class and config, which of them are
     views of one storage (key -> (storage group, its elements): ``save_pretrained`` splits files by
-    storage), and the meta skeleton they come from (in ``dtype``, by default the dtype of the
-    model's floating-point parameters)."""
+    storage), and the meta skeleton they come from (in the dtype of the model's floating-point
+    parameters)."""
     config = getattr(model, "config", None)
     if config is None:
         raise PlanningError("saving in Hugging Face format needs a transformers model (its config and class)")
     from transformers.core_model_loading import revert_weight_conversion
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
-    if dtype is None:
-        dtype = next((p.dtype for p in model.parameters() if p.dtype.is_floating_point), torch.float32)
+    dtype = next((p.dtype for p in model.parameters() if p.dtype.is_floating_point), torch.float32)
     with torch.device("meta"):
         skeleton = original_class(model)._from_config(config, dtype=dtype)
     skeleton.tie_weights()
@@ -110,19 +107,14 @@ class HFSavePlanner(SavePlanner):
         model: the model whose ``state_dict()`` is saved (its class and config say what
             ``save_pretrained`` would write).
         weights_mapping: the checkpoint -> canonical model mapping, instead of transformers' own.
-        dtype: the dtype the checkpoint's layout is computed in (default: the model's).
+
+    Tensors are planned in the model's dtypes; :class:`~hp_dcp_hf.storage.HFStorageWriter` casts
+    them on write when given a ``dtype``.
     """
 
-    def __init__(
-        self,
-        model: nn.Module,
-        *,
-        weights_mapping: Sequence[WeightTransform] | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
+    def __init__(self, model: nn.Module, *, weights_mapping: Sequence[WeightTransform] | None = None) -> None:
         self.model = model
         self.weights_mapping = weights_mapping
-        self.dtype = dtype
         self.bytes_planned = 0  # the bytes of this rank's items, in the model's dtypes
         self._views: dict[MetadataIndex, LocalView] = {}
 
@@ -151,7 +143,7 @@ class HFSavePlanner(SavePlanner):
     # -- planning -----------------------------------------------------------------------------
     def plan_writes(self, state_dict: Mapping[str, Any]) -> tuple[list[WriteItem], SaveRequest]:
         """Validate everything and return this rank's WriteItems and what its writer needs."""
-        specs, storage, skeleton = saved_tensors(self.model, self.dtype)
+        specs, storage, skeleton = saved_tensors(self.model)
         composition = Composition(
             model_stages(self.model, self.weights_mapping),
             specs,
