@@ -426,3 +426,15 @@ def test_stored_scales_must_cover_the_weight_rows_a_rank_holds(scale_layout, tmp
             _clear_sharding_caches()
     expected = ["planned"] * 4 if scale_layout == "replicated" else ["planned", "LayoutError", "LayoutError", "LayoutError"]
     assert outcomes == expected
+
+
+def test_a_dequantized_model_saves_back_as_its_bf16_twin(quantized, tmp_path):
+    """Saving the loaded model writes its bf16 values and no quantization_config: exactly the
+    dequantized twin's files."""
+    from tests.test_save import assert_same_checkpoint
+
+    model_type, checkpoint, _ = quantized
+    model, _ = hp_dcp_hf.from_pretrained(str(checkpoint.path), dtype=torch.bfloat16,
+                                         model_cls=family_model_class(model_type))
+    hp_dcp_hf.save_hf_checkpoint(model, tmp_path / "saved", max_shard_size="40KB")
+    assert_same_checkpoint(tmp_path / "saved", checkpoint.twin)
