@@ -148,3 +148,11 @@ def test_tied_embeddings_are_written_once(tiny_checkpoints, tmp_path):
     assert model.lm_head.weight is model.model.embed_tokens.weight
     hp_dcp_hf.save_hf_checkpoint(model, tmp_path / "ours", max_shard_size=DEFAULT_SHARD_SIZE)
     assert_same_checkpoint(tmp_path / "ours", llama.path)
+
+
+def test_object_store_paths_are_refused_before_anything_is_planned(tmp_path):
+    with pytest.raises(StorageWriteError, match="only local and shared"):
+        hp_dcp_hf.save_hf_checkpoint(build_family_model("llama"), "s3://bucket/model")
+    model = build_family_model("llama")
+    hp_dcp_hf.save_hf_checkpoint(model, f"file://{tmp_path / 'ours'}", max_shard_size=SHARD)
+    assert (tmp_path / "ours" / "model.safetensors.index.json").exists()

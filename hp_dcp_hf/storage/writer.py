@@ -66,7 +66,11 @@ class HFStorageWriter(StorageWriter):
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id:
-            self.path = os.fspath(checkpoint_id)
+            path = os.fspath(checkpoint_id)
+            if "://" in path and not path.startswith("file://"):
+                raise StorageWriteError("only local and shared (POSIX) file systems are written so far; "
+                                        "save to a directory, then upload it", file=path)
+            self.path = path.removeprefix("file://")
         self.files: list[SavedFile] = []
         self.index: dict[str, Any] | None = None
         self.tensors: dict[str, SavedTensor] = {}
