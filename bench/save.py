@@ -35,20 +35,26 @@ from typing import Any
 CONTENDERS = ("limit", "dcp", "torch", "transformers")
 
 
-def _recording_writer():
+def _recording_writer(out: str):
+    """An ``HFStorageWriter`` to ``out`` that keeps every (file, offset, length) it writes, for the
+    limit to replay (``writer.destination.ranges``)."""
     from hp_dcp_hf.storage import HFStorageWriter
+    from hp_dcp_hf.storage.destination import Directory
+    from hp_dcp_hf.storage.ranges import box_byte_ranges
 
-    class RecordingWriter(HFStorageWriter):
-        """Keeps every (file, offset, length) it writes, for the limit to replay."""
+    class RecordingDirectory(Directory):
+        ranges: list[tuple[str, int, int]] = []
 
-        def _write_box(self, fd, tensor, box, data):
-            from hp_dcp_hf.storage.ranges import box_byte_ranges
+        def write(self, token, files, writes, staging_bytes):
+            for w in writes:
+                self.ranges.extend((w.tensor.file, w.tensor.start + s, e - s)
+                                   for s, e in box_byte_ranges(w.tensor.shape, w.tensor.dtype.itemsize, w.box))
+            return super().write(token, files, writes, staging_bytes)
 
-            self.ranges.extend((tensor.file, tensor.start + s, e - s)
-                               for s, e in box_byte_ranges(tensor.shape, tensor.dtype.itemsize, box))
-            return super()._write_box(fd, tensor, box, data)
-
-    return RecordingWriter
+    writer = HFStorageWriter(out)
+    writer.destination = RecordingDirectory(out)
+    writer.destination.ranges = []
+    return writer
 
 
 def _limit(ranges: list[tuple[str, int, int]], directory: str, sizes: dict[str, int]) -> int:
@@ -81,10 +87,9 @@ def _save_once(contender: str, model, out: str, state: dict[str, Any]) -> int:
     if contender == "dcp":
         from hp_dcp_hf.api import save_hf_checkpoint
 
-        writer = _recording_writer()(out)
-        writer.ranges = []
+        writer = _recording_writer(out)
         save_hf_checkpoint(model, out, writer=writer)
-        state["ranges"], state["sizes"] = writer.ranges, {f.name: f.size for f in writer.files}
+        state["ranges"], state["sizes"] = writer.destination.ranges, {f.name: f.size for f in writer.files}
         return writer.bytes_written
     if contender == "limit":
         return _limit(state["ranges"], out, state["sizes"])

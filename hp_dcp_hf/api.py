@@ -96,6 +96,7 @@ def save_hf_checkpoint(
     weights_mapping: Sequence[WeightTransform] | None = None,
     writer: HFStorageWriter | None = None,
     planner: HFSavePlanner | None = None,
+    **storage_options: Any,
 ) -> None:
     """Write ``model`` (parallelized, rewritten) to directory ``path`` as the Hugging Face checkpoint
     ``save_pretrained`` writes for its unsharded, unrewritten form; every rank calls it.
@@ -104,10 +105,12 @@ def save_hf_checkpoint(
     tensor by one of its replicas); nothing is gathered. The files appear at their final names only
     once every rank has written, the index last; a failure on any rank raises
     :class:`~hp_dcp_hf.errors.StorageWriteError` (or the planning error) on every rank and leaves
-    ``path`` as it was. ``dtype`` casts floating-point tensors on write.
+    ``path`` as it was. ``dtype`` casts floating-point tensors on write. ``path`` is a directory or
+    an ``s3://`` prefix (multipart uploads; ``storage_options`` as s3fs takes them).
     """
     planner = planner or HFSavePlanner(model, weights_mapping=weights_mapping)
-    writer = writer if writer is not None else HFStorageWriter(path, max_shard_size=max_shard_size, dtype=dtype)
+    writer = writer if writer is not None else HFStorageWriter(
+        path, max_shard_size=max_shard_size, dtype=dtype, **storage_options)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")

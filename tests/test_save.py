@@ -19,8 +19,8 @@ from safetensors.torch import load_file
 
 import hp_dcp_hf
 from hp_dcp_hf.errors import PlanningError, StorageWriteError
+from hp_dcp_hf.storage.destination import STAGING_PREFIX
 from hp_dcp_hf.storage.files import layout_file
-from hp_dcp_hf.storage.writer import STAGING_PREFIX
 from tests.families import build_family_model, family_model_class, save_family_model
 
 SHARD = "20KB"
@@ -150,9 +150,10 @@ def test_tied_embeddings_are_written_once(tiny_checkpoints, tmp_path):
     assert_same_checkpoint(tmp_path / "ours", llama.path)
 
 
-def test_object_store_paths_are_refused_before_anything_is_planned(tmp_path):
-    with pytest.raises(StorageWriteError, match="only local and shared"):
-        hp_dcp_hf.save_hf_checkpoint(build_family_model("llama"), "s3://bucket/model")
+@pytest.mark.parametrize("url", ["memory://model", "gs://bucket/model", "https://example.com/model"])
+def test_stores_without_a_writer_are_refused_before_anything_is_planned(tmp_path, url):
+    with pytest.raises(StorageWriteError, match="local or shared file systems and to S3"):
+        hp_dcp_hf.save_hf_checkpoint(build_family_model("llama"), url)
     model = build_family_model("llama")
     hp_dcp_hf.save_hf_checkpoint(model, f"file://{tmp_path / 'ours'}", max_shard_size=SHARD)
     assert (tmp_path / "ours" / "model.safetensors.index.json").exists()

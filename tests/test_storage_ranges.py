@@ -10,7 +10,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hp_dcp_hf.box import Box, disjoint_cover
-from hp_dcp_hf.storage.ranges import Piece, box_byte_ranges, box_span, coalesce, count_requests, split_box
+from hp_dcp_hf.storage.ranges import (
+    Piece,
+    box_byte_ranges,
+    box_span,
+    coalesce,
+    count_requests,
+    flat_range_boxes,
+    split_box,
+)
 
 # Only the itemsize matters to the arithmetic; bool is left out since copies canonicalise its bytes.
 DTYPES = [torch.float32, torch.bfloat16, torch.int64, torch.uint8, torch.float8_e4m3fn]
@@ -51,6 +59,18 @@ def test_ranges_read_exactly_the_slice(case) -> None:
     cut = [d for d in range(len(shape)) if box.sizes[d] < shape[d]]
     expected = 0 if box.is_empty() else math.prod(box.sizes[: cut[-1]]) if cut else 1
     assert len(ranges) == expected
+
+
+@settings(max_examples=200, deadline=None)
+@given(tensor_and_box(), st.integers(-3, 700), st.integers(-3, 700))
+def test_flat_range_boxes_are_exactly_the_flat_range(case, start, stop) -> None:
+    shape = case[0]
+    numel = math.prod(shape)
+    boxes = flat_range_boxes(shape, start, stop)
+    flat = torch.arange(numel).reshape(shape) if numel else torch.empty(shape, dtype=torch.int64)
+    covered = [i for b in boxes for i in flat[b.slices()].reshape(-1).tolist()]
+    assert covered == list(range(max(start, 0), min(stop, numel)))  # each once, in flat order
+    assert all(not b.is_empty() for b in boxes) and len(boxes) <= max(1, 2 * len(shape) - 1)
 
 
 @settings(max_examples=150, deadline=None)

@@ -143,3 +143,60 @@ def test_a_rank_failing_fails_every_rank_and_publishes_nothing(checkpoints):
     assert all(o.startswith("StorageWriteError") for o in outcomes), outcomes
     assert not out.exists() or not any(p.suffix == ".safetensors" or p.name.startswith(".hp-dcp-hf")
                                        for p in out.iterdir())
+
+
+# -- S3: multipart uploads, parts assembled from every rank's bytes ----------------------------------
+
+
+def _s3_save(rank: int, world: int, checkpoint: str, out: str, prefix: str, options: dict) -> dict:
+    """Save to a local directory and to S3 under dp=2,tp=2, then save again to S3 with rank 2's
+    uploads failing: the first save's objects must survive."""
+    import warnings
+
+    from hp_dcp_hf import HFStorageWriter, from_pretrained, save_hf_checkpoint
+    from hp_dcp_hf.storage.multipart import MultipartUploads
+    from hp_dcp_hf.storage.parts import MIN_PART_BYTES
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, _ = from_pretrained(checkpoint, model_cls=family_model_class("llama"), distributed_config="dp=2,tp=2")
+        save_hf_checkpoint(model, out, max_shard_size="12MB")
+        writer = HFStorageWriter(prefix, max_shard_size="12MB", part_bytes=MIN_PART_BYTES, **options)
+        save_hf_checkpoint(model, prefix, writer=writer)
+        result = {"written": writer.bytes_written, "sent": writer.destination.bytes_sent,
+                  "uploaded": writer.destination.bytes_uploaded}
+        if rank == 2:
+            def failing(self, upload_id, part, data):
+                raise OSError(5, "Input/output error")
+
+            MultipartUploads.upload = failing
+        try:
+            save_hf_checkpoint(model, prefix, max_shard_size="12MB", part_bytes=MIN_PART_BYTES, **options)
+        except Exception as e:  # noqa: BLE001 - the test checks the type
+            result["failure"] = f"{type(e).__name__}: {e}"
+    return result
+
+
+def test_4_ranks_save_to_s3_what_they_save_locally(tmp_path):
+    from hp_dcp_hf.storage.parts import MIN_PART_BYTES
+    from tests.servers.s3 import MotoS3
+    from tests.test_multipart import BUCKET, big_llama, local_files, objects, pending_uploads
+
+    checkpoint = save_family_model(big_llama(), tmp_path / "reference", "12MB")
+    moto = MotoS3(tmp_path / "recording.jsonl")
+    try:
+        moto.create_bucket(BUCKET)
+        results = run_ranks(4, _s3_save, str(checkpoint), str(tmp_path / "local"), f"s3://{BUCKET}/dist",
+                            moto.storage_options(), timeout=300)
+        local = local_files(tmp_path / "local")
+        assert objects(moto, "dist") == local  # byte for byte, after the failed save too
+        assert pending_uploads(moto) == []
+    finally:
+        moto.stop()
+    assert all(r["failure"].startswith("StorageWriteError") and "Input/output error" in r["failure"]
+               for r in results), [(r["written"], r["sent"], r["uploaded"]) for r in results]
+    weights = {name: len(data) for name, data in local.items() if name.endswith(".safetensors")}
+    assert sum(r["written"] for r in results) == _tensor_bytes(tmp_path / "local")  # each byte once
+    assert sum(r["uploaded"] for r in results) == sum(weights.values())  # each part once, by one rank
+    assert all(0 < r["sent"] <= r["written"] for r in results)  # parts gather bytes from several ranks
+    assert max(r["uploaded"] for r in results) <= min(r["uploaded"] for r in results) + 2 * MIN_PART_BYTES
