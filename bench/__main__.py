@@ -9,7 +9,7 @@
 
 Parts: ``loads`` (contenders side by side on 1, 2, 4 ranks), ``real`` (SmolLM2-135M with TP,
 logits checked), ``simulate`` (cluster-scale planning), ``multinode`` (two torchrun launchers),
-``remote`` (the MoE checkpoint from a local moto S3 server on 4 ranks, against s3fs whole files),
+``remote`` (the MoE checkpoint from a local SeaweedFS S3 server on 4 ranks, against the boto3 limit and s3fs whole files),
 ``quantized`` (an FP8 block-scaled MoE checkpoint into bf16 on 4 ranks: this project, torch's
 quantized reader, transformers, the raw-read limit).
 """
@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sim-cached", type=int, default=4, help="ranks per world planned with a reused composition")
     p.add_argument("--real-world", type=int, default=3, help="TP ranks of the SmolLM2 row (9/3 heads: 3)")
     p.add_argument("--remote-contenders", default=",".join(REMOTE_CONTENDERS),
-                   help="contenders of the remote part (4 ranks, MoE checkpoint on moto S3)")
+                   help="contenders of the remote part (4 ranks, MoE checkpoint on a local SeaweedFS S3 server)")
     p.add_argument("--quantized-contenders", default=",".join(QUANTIZED_CONTENDERS),
                    help="contenders of the quantized part (4 ranks, dp=2,tp=2, FP8 MoE checkpoint into bf16)")
     p.add_argument("--render", default=None, metavar="JSON", help="only re-render an existing results file")
@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     if "remote" in parts:
         from bench.remote import run_remote
 
-        print("remote (moto S3 server in this process, 4 ranks):")
+        print("remote (SeaweedFS S3 server started here, 4 ranks):")
         moe = next((w for w in workloads if w.kind == "moe"), None) or ensure_workload("moe", size, cache_dir)
         doc["remote"] = run_remote(moe, meshes.get(4, default_mesh(4)), reps=args.reps, warmup=args.warmup,
                                    threads=args.threads, timeout=args.timeout,

@@ -199,38 +199,29 @@ def remote_section(doc: dict[str, Any]) -> list[str]:
     lines = ["## Remote (S3)", ""]
     if remote.get("error") or remote.get("skipped"):
         return lines + [remote.get("skipped") or f"error: {remote['error']}", ""]
-    probe, ratios = remote["probe"], remote.get("ratios", {})
+    ratios, loads = remote.get("ratios", {}), remote["loads"]
     lines += [f"`{remote['url']}` ({human(remote['checkpoint_bytes'])} in {remote['files']} files) on {remote['server']}; "
-              f"{remote['world']} ranks, mesh {remote['mesh']}, {remote['threads']} threads per rank. Wall: slowest "
-              f"rank, median of {remote['reps']}; bytes and requests of the last load per rank, the reader's own "
-              "counters (data + headers) next to the server's recording (per rank: r0 / r1 / ...).", "",
-              "| contender | wall s (median) | s3fs-whole / this | bytes / rank (max), reader | bytes / rank (max), "
-              "server | amplification | GETs / rank, reader | GETs / rank, server | requests / rank, server | "
-              "server = reader | RSS growth / rank (max) | correct |",
-              "|" + "|".join("---" for _ in range(12)) + "|"]
+              f"{remote['world']} ranks, mesh {remote['mesh']}, {remote['threads']} threads per rank, side by side in "
+              f"one run. Wall: slowest rank, median of {remote['reps']}. Server: its own counters over all "
+              f"{loads} loads of a contender (2xx GETs, HEADs included; bytes sent), divided by {loads}; client: "
+              "GETs per rank of the last load.", "",
+              "| contender | wall s (median) | dcp-s3 / this | server bytes / load | server GETs / load | "
+              "client GETs / rank | bytes read / rank (max) | RSS growth / rank (max) | correct |",
+              "|" + "|".join("---" for _ in range(9)) + "|"]
+    ok = {True: "yes", False: "**NO**", None: "n/a"}
     for r in remote["contenders"]:
-        if r.get("error") or r.get("skipped"):
-            text = f"skipped: {r['skipped']}" if r.get("skipped") else f"error: {r['error'].splitlines()[0][:120]}"
-            lines.append(f"| {r['contender']} | {text.replace('|', '/')} |" + " |" * 10)
+        if r.get("error"):
+            lines.append(f"| {r['contender']} | error: {r['error'].splitlines()[0][:120].replace('|', '/')} |" + " |" * 7)
             continue
-        reader_bytes = [b + (h or 0) for b, h in zip(r["bytes_read"], r["header_bytes"]) if b is not None]
-        gets = ([q + h for q, h in zip(r["requests"], r["header_requests"])]
-                if None not in r["requests"] + r["header_requests"] else None)
-        ok = {True: "yes", False: "**NO**", None: "n/a"}
+        read = [b for b in r["bytes_read"] if b is not None]
         lines.append("| " + " | ".join([
             r["contender"], _fmt(r["wall_s"], "s"), _fmt(ratios.get(r["contender"], {}).get("wall"), "x"),
-            _fmt(max(reader_bytes) if reader_bytes else None, "b"), _fmt(max(r["server_bytes"]), "b"),
-            _fmt(r.get("amplification"), "f"), " / ".join(map(str, gets)) if gets else "-",
-            " / ".join(map(str, r["server_gets"])), " / ".join(map(str, r["server_requests"])),
-            ok[r.get("server_matches_reader")], _fmt(r.get("rss_growth_max"), "b"), ok[r.get("correct")]]) + " |")
-    shown = "; ".join(f"{ratio['bytes']:.2f}x the bytes of {name} in {ratio['wall']:.2f}x its wall time"
+            _fmt(r["server"]["bytes"] / loads, "b"), f"{r['server']['gets'] / loads:.0f}",
+            " / ".join(map(str, r["client_gets"])), _fmt(max(read) if read else None, "b"),
+            _fmt(r.get("rss_growth_max"), "b"), ok[r.get("correct")]]) + " |")
+    shown = "; ".join(f"{ratio['wall']:.2f}x the wall time of {name} with {ratio['server_bytes']:.2f}x its server bytes"
                       for name, ratio in ratios.items())
-    lines += ["", (f"s3fs-whole fetched {shown}. " if shown else "")
-              + f"moto reads the whole object for every GET: a 4 KiB ranged GET of the largest object "
-              f"({human(probe['object_bytes'])}) took {probe['ranged_get_s'] * 1e3:.0f} ms, so wall times here charge "
-              "each request the size of its object (on S3 a request costs its latency and its own bytes); bytes and "
-              "requests do not depend on the server.", ""]
-    return lines
+    return lines + ["", f"dcp-s3 took {shown}." if shown else "", ""]
 
 
 def quantized_section(doc: dict[str, Any]) -> list[str]:

@@ -21,7 +21,7 @@ import pytest
 import requests
 import torch
 from huggingface_hub import HfFileSystem
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
@@ -30,6 +30,7 @@ from hp_dcp_hf.errors import CheckpointFormatError, CheckpointNotFoundError, Sto
 from hp_dcp_hf.storage.catalog import INDEX_FILE
 from hp_dcp_hf.storage.location import FsspecBackend, filesystem, locate
 from hp_dcp_hf.storage.remote import HttpBackend, HubBackend, RetryPolicy
+from hp_dcp_hf.storage.s3 import S3Backend, client_settings
 from tests.models import model_class, tiny_config
 from tests.servers.fake_hub import FakeHub
 from tests.servers.range_server import LoggedRequest, StaticRangeServer
@@ -473,3 +474,133 @@ def test_s3_missing_prefix_or_bucket(s3) -> None:
         HFStorageReader("s3://hp-single/nothing/here", storage_options=options).read_metadata()
     with pytest.raises(CheckpointNotFoundError):
         HFStorageReader("s3://hp-no-such-bucket/x", storage_options=options).read_metadata()
+
+
+# -- concurrency and GET sizes ---------------------------------------------------------------------
+
+LATENCY_S = 0.02
+"""A store's round trip, injected by the server before it answers each data range."""
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+@pytest.mark.parametrize("store", ["http", "s3"])
+def test_requests_of_one_batch_are_in_flight_at_once(request, ckpt, store, threads) -> None:
+    """A column box is one range per row; with ``coalesce_gap=0`` each is a request, all in one
+    batch. With a 20 ms round trip, the server sees exactly ``num_threads`` of them at once (it used
+    to see one: a batch's requests went one after the other)."""
+    server = request.getfixturevalue(store)
+    if store == "http":
+        path, options = f"{server.url}/ckpt", {}
+    else:
+        path, options = "s3://hp-single/tiny/mixtral", {"storage_options": server.storage_options()}
+    reader = HFStorageReader(path, coalesce_gap=0, num_threads=threads, **options)
+    reader.read_metadata()
+    key = max((k for k, e in reader.entries.items() if len(e.shape) == 2), key=lambda k: reader.entries[k].shape[0])
+    entry = reader.entries[key]
+    rows, cols = 8 * threads, entry.shape[1] // 2
+    assert entry.shape[0] >= rows
+    item = ReadItem(LoadItemType.TENSOR, MetadataIndex("dest", [0, 0]), torch.Size([0, 0]),
+                    MetadataIndex(key, [0, 0]), torch.Size([0, 1]), torch.Size([rows, cols]))
+    assert len(reader.plan_requests([item])) == rows  # one batch (a few KiB), one request per row
+    dest = torch.empty(rows, cols, dtype=entry.dtype)
+    if store == "http":
+        server.add_fault("stall", None, delay_s=LATENCY_S, match=_starts_past_header)
+    else:
+        server.latency_s = LATENCY_S
+    server.in_flight.reset()
+    try:
+        reader.read_data(LoadPlan([item]), _Into({"dest": dest})).wait()
+    finally:
+        server.latency_s = 0.0
+    assert server.in_flight.max == threads
+    assert reader.stats.total().requests == rows
+    assert torch.equal(dest, load_file(str(ckpt.path / entry.file))[key][:rows, 1 : 1 + cols])
+
+
+def test_remote_get_size_does_not_shrink_with_more_threads(http, http_root) -> None:
+    """A 40 MiB tensor is five 8 MiB GETs with 8 threads and with 32 (the 64 MiB staging budget
+    used to be split per thread: 2 MiB GETs, four times as many); local files keep the per-thread
+    share (a read there costs no round trip)."""
+    (http_root / "big").mkdir(exist_ok=True)
+    save_file({"w": torch.zeros(1280, 8192)}, http_root / "big" / "model.safetensors")
+    item = ReadItem(LoadItemType.TENSOR, MetadataIndex("w", [0, 0]), torch.Size([0, 0]),
+                    MetadataIndex("w", [0, 0]), torch.Size([0, 0]), torch.Size([1280, 8192]))
+    sizes = {}
+    for where, threads in (("http", 8), ("http", 32), ("local", 32)):
+        root = f"{http.url}/big" if where == "http" else str(http_root / "big")
+        reader = HFStorageReader(f"{root}/model.safetensors", num_threads=threads)
+        reader.read_metadata()
+        sizes[where, threads] = [request.nbytes for _, request in reader.plan_requests([item])]
+    assert sizes["http", 8] == sizes["http", 32] == [8 * 2**20] * 5
+    assert sizes["local", 32] == [2 * 2**20] * 20
+
+
+# -- S3 data reads: settings, faults ---------------------------------------------------------------
+
+
+def _s3_fs(endpoint: str, **options):
+    import s3fs
+
+    return s3fs.S3FileSystem(
+        key="testing", secret="testing", skip_instance_cache=True,
+        client_kwargs={"endpoint_url": endpoint, "region_name": "us-east-1"}, **options,
+    )
+
+
+def test_s3_client_takes_s3fs_options_and_sizes_its_pool() -> None:
+    policy = RetryPolicy(connect_timeout_s=3, read_timeout_s=7)
+    settings = client_settings(_s3_fs("http://127.0.0.1:1", token="t", profile=None), policy, 32)
+    assert settings["client"] == {"aws_access_key_id": "testing", "aws_secret_access_key": "testing",
+                                  "aws_session_token": "t", "endpoint_url": "http://127.0.0.1:1",
+                                  "region_name": "us-east-1", "use_ssl": True}
+    assert settings["config"] == {"connect_timeout": 3, "read_timeout": 7, "retries": {"total_max_attempts": 1},
+                                  "max_pool_connections": 32}
+    given = client_settings(_s3_fs("http://x", config_kwargs={"max_pool_connections": 64, "read_timeout": 1}),
+                            policy, 8)["config"]
+    assert given["max_pool_connections"] == 64 and given["read_timeout"] == 1
+    anon = client_settings(_s3_fs("http://x", anon=True), policy, None)
+    assert anon["anon"] and "aws_access_key_id" not in anon["client"] and anon["client"]["endpoint_url"] == "http://x"
+    backend = S3Backend(_s3_fs("http://127.0.0.1:1"), policy, concurrency=32)
+    client, _ = backend.client()
+    assert client.meta.config.max_pool_connections == 32 and client.meta.endpoint_url == "http://127.0.0.1:1"
+    assert S3Backend(_s3_fs("http://127.0.0.1:1"), policy, concurrency=32).client()[0] is client  # shared
+
+
+def _s3_handle(http, file: str, retry: dict):
+    """An S3 object ``ckpt/<file>`` whose GETs the range server answers (path-style GetObject is
+    ``GET /bucket/key`` with ``Range``), so its faults reach our S3 data path."""
+    fs = _s3_fs(http.url, config_kwargs={"s3": {"addressing_style": "path"}})
+    return S3Backend(fs, RetryPolicy(**retry), concurrency=2).open(f"ckpt/{file}", file)
+
+
+def test_s3_cut_bodies_and_5xx_are_retried_and_resumed(http, ckpt) -> None:
+    file = "model-00001-of-00009.safetensors"
+    data = (ckpt.path / file).read_bytes()
+    faults = [
+        http.add_fault("status", 2, status=503),
+        http.add_fault("reset", 1, match=_starts_past_header),
+        http.add_fault("truncate", 2, match=_starts_past_header),
+    ]
+    with _s3_handle(http, file, {**FAST, "attempts": 6}) as handle:
+        assert handle.read(100, len(data)) == data[100:]
+    assert [f.hits for f in faults] == [2, 1, 2]
+    log = http.requests(faults=True)
+    for cut in (r for r in log if r.fault == "truncate"):  # resumed after the bytes that arrived
+        assert any(r.span == (cut.span[0] + cut.body_bytes, len(data)) for r in log), cut
+    assert len(log) == 6  # 5 faults + 1 answer: botocore itself retries nothing
+
+
+def test_s3_persistent_failure_is_a_typed_error_naming_the_file(http) -> None:
+    file = "model-00001-of-00009.safetensors"
+    http.add_fault("status", None, status=503)
+    with _s3_handle(http, file, FAST) as handle, pytest.raises(
+        StorageReadError, match=r"failed 4 time\(s\).*giving up.*503"
+    ) as info:
+        handle.read(100, 200)
+    assert info.value.file == file
+    assert len(http.requests(faults=True)) == FAST["attempts"]
+    http.reset()
+    with _s3_handle(http, "nothing.safetensors", FAST) as handle, pytest.raises(CheckpointNotFoundError) as info:
+        handle.read(100, 200)
+    assert info.value.file == "nothing.safetensors" and len(http.requests()) == 1
+

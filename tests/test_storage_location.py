@@ -16,6 +16,7 @@ from hp_dcp_hf.errors import (
     StorageReadError,
     UnsafeCheckpointError,
 )
+from hp_dcp_hf.storage import fsspec_backend
 from hp_dcp_hf.storage import location as location_module
 from hp_dcp_hf.storage.catalog import INDEX_FILE, Catalog, scan
 from hp_dcp_hf.storage.location import CheckpointLocation, filesystem, locate
@@ -216,7 +217,7 @@ def local_and_memory(tmp_path: Path):
 
 def test_scatter_reads_on_both_backends(local_and_memory, monkeypatch: pytest.MonkeyPatch) -> None:
     data, locations = local_and_memory
-    monkeypatch.setattr(location_module, "REMOTE_BLOCK_BYTES", 7)  # many blocks across buffer edges
+    monkeypatch.setattr(fsspec_backend, "REMOTE_BLOCK_BYTES", 7)  # many blocks across buffer edges
     for location in locations:
         buffers = [bytearray(5), bytearray(0), bytearray(20), memoryview(bytearray(3))]
         with location.open("f.bin") as handle:

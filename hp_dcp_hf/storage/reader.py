@@ -13,6 +13,7 @@ buffer and ``copy_`` (which casts and writes through non-contiguous views).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import threading
@@ -58,6 +59,10 @@ from hp_dcp_hf.storage.stats import ReadStats
 
 _ALIGN = 16
 """Staged chunks start at multiples of this, so a byte slice can be viewed as any dtype."""
+
+_REMOTE_BATCH_BYTES = 8 * 2**20
+"""Smallest batch on remote stores (whatever ``num_threads``): the requests of a batch are at most
+this big where the layout allows (at 20-50 ms per round trip a connection moves several MiB)."""
 
 _LARGE_RANGE = 1 << 20
 """A batch whose ranges average at least this many bytes and land straight in their destinations
@@ -139,7 +144,8 @@ class HFStorageReader(StorageReader):
     this far apart are read in one request (gap bytes are read and dropped); by default 0 on local
     files (bytes read = bytes needed) and 1 MiB on remote stores, where a request costs a round
     trip (``REMOTE_COALESCE_GAP``; pass 0 to fetch needed bytes only). ``num_threads``: reads
-    in flight. ``staging_bytes``: the most memory reads in flight may hold for staging, or keep
+    in flight (on remote stores: requests in flight, those of one batch too; a batch there is at
+    least 8 MiB whatever the thread count, so GETs do not shrink as threads grow). ``staging_bytes``: the most memory reads in flight may hold for staging, or keep
     mapped (a part's span in the file, holes included, counts); a larger tensor is read a block of
     rows at a time. ``broadcast_metadata``: in a process group, rank 0
     alone reads the headers and broadcasts them (every rank must then call ``read_metadata``,
@@ -180,6 +186,7 @@ class HFStorageReader(StorageReader):
         self.record_requests = record_requests
         self.map_local_files = map_local_files
         self._thread_local = threading.local()
+        self._request_pool: ThreadPoolExecutor | None = None
         if (coalesce_gap or 0) < 0 or num_threads < 1 or staging_bytes < _ALIGN * num_threads:
             raise ValueError(
                 f"need coalesce_gap >= 0, num_threads >= 1 and staging_bytes >= {_ALIGN} per thread; got "
@@ -197,7 +204,9 @@ class HFStorageReader(StorageReader):
         """Start a new load (of ``checkpoint_id`` when given): forget entries, zero the stats."""
         if checkpoint_id:
             self.path = os.fspath(checkpoint_id)
-            self._fs, self._fspath = filesystem(self.path, self.storage_options, retry=self.retry)
+            self._fs, self._fspath = filesystem(
+                self.path, self.storage_options, retry=self.retry, concurrency=self.num_threads
+            )
         self.entries: dict[str, TensorEntry] = {}
         self.stats = ReadStats()
         self.load_id = str(uuid.uuid4())
@@ -228,6 +237,21 @@ class HFStorageReader(StorageReader):
         if self.coalesce_gap is not None:
             return self.coalesce_gap
         return self._location.backend.coalesce_gap if self._location is not None else 0
+
+    @property
+    def _batch_bytes(self) -> int:
+        """The most bytes of one batch: the per-thread share of ``staging_bytes``; on remote stores at
+        least :data:`_REMOTE_BATCH_BYTES` (within the budget) however many threads, since a batch is
+        a GET where the layout allows and smaller GETs only multiply round trips (issue 14)."""
+        share = self.staging_bytes // self.num_threads
+        if self._location is None or self._location.backend.local:
+            return share
+        return max(share, min(_REMOTE_BATCH_BYTES, self.staging_bytes))
+
+    @property
+    def _batch_workers(self) -> int:
+        """Batches read at once: as many as ``staging_bytes`` holds, at most ``num_threads``."""
+        return max(1, min(self.num_threads, self.staging_bytes // self._batch_bytes))
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
@@ -314,7 +338,7 @@ class HFStorageReader(StorageReader):
     def _read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         if self._location is None:
             raise PlanningError("read_metadata() must run before read_data()", file=self.path)
-        chunk_budget = self.staging_bytes // self.num_threads
+        chunk_budget = self._batch_bytes
         dests = [self._resolve(item, planner) for item in plan.items]
         chunks = self._all_chunks(plan.items, dests)
         remaining: dict[int, int] = defaultdict(int)
@@ -333,7 +357,11 @@ class HFStorageReader(StorageReader):
                 if done:
                     planner.commit_tensor(plan.items[chunk.item], dests[chunk.item])
 
-        with ThreadPoolExecutor(self.num_threads) as pool:
+        # Remote requests (those of one batch too) run on a pool of their own, num_threads in
+        # flight whatever the batches; it outlives the batch pool, whose tasks submit to it.
+        remote = not self._location.backend.local
+        requests = ThreadPoolExecutor(self.num_threads, "hp-dcp-hf-get") if remote else contextlib.nullcontext()
+        with requests as self._request_pool, ThreadPoolExecutor(self._batch_workers) as pool:
             futures = [
                 pool.submit(self._read_batch, self._location, batch, finish)
                 for batch in _batches(chunks, chunk_budget)
@@ -357,12 +385,12 @@ class HFStorageReader(StorageReader):
         chunks = self._all_chunks(items, [torch.empty(tuple(i.lengths), device="meta") for i in items])
         return [
             (batch[0].entry.file, request)
-            for batch in _batches(chunks, self.staging_bytes // self.num_threads)
+            for batch in _batches(chunks, self._batch_bytes)
             for request in coalesce(_pieces(batch), self._gap)
         ]
 
     def _all_chunks(self, items: Sequence[ReadItem], dests: Sequence[torch.Tensor]) -> list[_Chunk]:
-        budget = self.staging_bytes // self.num_threads
+        budget = self._batch_bytes
         return [c for index, item in enumerate(items) for c in self._chunks(index, item, dests[index], budget)]
 
     def _resolve(self, item: ReadItem, planner: LoadPlanner) -> torch.Tensor:
@@ -453,8 +481,7 @@ class HFStorageReader(StorageReader):
         pieces = _pieces(batch)
         requests = coalesce(pieces, self._gap)
         scratch = memoryview(bytearray(max(r.nbytes - sum(p.nbytes for p in r.pieces) for r in requests)))
-        for request in requests:
-            self._read_request(handle, request, _request_views(request, buffers, scratch), batch)
+        self._read_requests(handle, requests, lambda r: _request_views(r, buffers, scratch), batch)
         self._log(handle.file, requests)
         self.stats.add(
             handle.file,
@@ -481,6 +508,30 @@ class HFStorageReader(StorageReader):
             buffer = torch.empty(max(size, self.staging_bytes // self.num_threads), dtype=torch.uint8)
             self._thread_local.staging = buffer
         return buffer[:size]
+
+    def _read_requests(
+        self,
+        handle: RangeFile,
+        requests: list[Request],
+        views: Callable[[Request], list[memoryview]],
+        batch: list[_Chunk],
+    ) -> None:
+        """``requests`` read into their ``views``: one after the other from a local file, at once on
+        the request pool from a remote store. Returns (or raises the first error) only once none of
+        them still writes into the batch's buffers."""
+        pool = self._request_pool
+        if pool is None:
+            for request in requests:
+                self._read_request(handle, request, views(request), batch)
+            return
+        futures = [pool.submit(self._read_request, handle, request, views(request), batch) for request in requests]
+        wait(futures, return_when=FIRST_EXCEPTION)
+        for future in futures:
+            future.cancel()
+        wait(futures)
+        errors = [f.exception() for f in futures if not f.cancelled() and f.exception() is not None]
+        if errors:
+            raise errors[0]  # type: ignore[misc]
 
     @staticmethod
     def _read_request(

@@ -1,12 +1,14 @@
 """Remote checkpoints: S3 (and any fsspec store), plain HTTP(S) and the Hugging Face Hub.
 
-Each kind of store is a :class:`~hp_dcp_hf.storage.location.Backend`; what differs between them
-stays here:
+Each kind of store is a :class:`~hp_dcp_hf.storage.backend.Backend`; what differs between them
+stays in its own module:
 
-* **fsspec stores** (``s3://``, ``gs://``, ...): :class:`~hp_dcp_hf.storage.location.FsspecBackend`
-  with exact ranged ``cat_file`` calls (never ``open()``: no read-ahead), retried under
-  :class:`RetryPolicy`. Storage options go to the fsspec filesystem (for s3fs: ``key``,
-  ``secret``, ``client_kwargs={"endpoint_url": ...}``, ``config_kwargs``, ``anon``, ...).
+* **S3** (``s3://``): :mod:`hp_dcp_hf.storage.s3`, metadata through s3fs, data through a botocore
+  client of our own; storage options as s3fs takes them (``key``, ``secret``,
+  ``client_kwargs={"endpoint_url": ...}``, ``config_kwargs``, ``anon``, ...).
+* **other fsspec stores** (``gs://``, ``memory://``, ...):
+  :class:`~hp_dcp_hf.storage.fsspec_backend.FsspecBackend` with exact ranged ``cat_file`` calls
+  (never ``open()``: no read-ahead), retried under :class:`RetryPolicy`.
 * **HTTP(S)** (:class:`HttpBackend`): a directory URL must serve ``model.safetensors.index.json``
   (a web server cannot be listed), or the URL names one ``.safetensors`` file. Every read is a
   ``GET`` with ``Range``; the answer must be 206 with the asked ``Content-Range`` (a server that
@@ -24,8 +26,7 @@ Files changed during a load: the size and ETag of an HTTP file come with its HEA
 with its size request, and a Hub file's version is its commit; every ranged answer (its
 ``Content-Range`` total and ``ETag`` or ``X-Repo-Commit``) is checked against them, so a file
 rewritten after its header was read raises "changed since its header was read" at once, without
-a request of its own. (S3 data reads are ``get_object`` calls through s3fs for that reason: its
-``cat_file`` hides the response headers.)
+a request of its own.
 
 Transient failures (HTTP 408/425/429/5xx, connection resets, timeouts, bodies cut short) are
 retried with exponential backoff and jitter, resuming after the bytes already received, within
@@ -39,125 +40,34 @@ from __future__ import annotations
 import contextlib
 import http.client
 import os
-import random
 import re
 import threading
-import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, fields
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 from urllib.parse import quote, urlsplit
 
 from fsspec import AbstractFileSystem
 
 from hp_dcp_hf.errors import CheckpointNotFoundError, HPDCPHFError, StorageReadError
-from hp_dcp_hf.storage.location import (
+from hp_dcp_hf.storage.backend import (
+    CONTENT_RANGE,
     Backend,
+    Body,
     FileVersion,
-    FsspecBackend,
     RangeFile,
-    _FsspecFile,
-    changed_error,
+    RetryPolicy,
+    TransientError,
+    check_answer,
+    etag,
+    read_ranged,
 )
+
+__all__ = ["HttpBackend", "HttpClient", "HttpRangeFile", "HubBackend", "RetryPolicy", "TransientError", "resolve"]
 
 T = TypeVar("T")
 
 INDEX_FILE = "model.safetensors.index.json"  # catalog.INDEX_FILE; catalog imports this package's base
 _FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".pkl", ".json")
-
-_READ_CHUNK = 1 << 20
-"""Most bytes asked of one ``readinto`` of a response body (straight into the destination)."""
-
-
-# -- retry policy ---------------------------------------------------------------------------------
-
-
-class TransientError(StorageReadError):
-    """A failure worth retrying (HTTP 5xx/429, dropped connection, truncated body)."""
-
-    def __init__(self, reason: str, *, file: str | None = None, retry_after: float | None = None) -> None:
-        super().__init__(reason, file=file)
-        self.retry_after = retry_after
-
-
-@dataclass(frozen=True)
-class RetryPolicy:
-    """How remote reads retry: ``attempts`` tries per request within ``deadline_s``.
-
-    Waits start at ``backoff_s`` and double up to ``max_backoff_s``, each drawn uniformly from
-    its upper half (jitter, so ranks and threads do not retry in lockstep); a ``Retry-After``
-    header lengthens a wait up to ``max_backoff_s``. ``connect_timeout_s`` and ``read_timeout_s``
-    bound each HTTP(S)/Hub try (for s3fs, set ``config_kwargs={"connect_timeout": ...,
-    "read_timeout": ...}`` in the storage options). So a persistent failure raises after at most
-    about ``deadline_s`` plus one try's timeouts.
-    """
-
-    attempts: int = 5
-    backoff_s: float = 0.5
-    max_backoff_s: float = 8.0
-    deadline_s: float = 120.0
-    connect_timeout_s: float = 10.0
-    read_timeout_s: float = 60.0
-
-    def __post_init__(self) -> None:
-        if self.attempts < 1 or min(self.backoff_s, self.max_backoff_s, self.deadline_s) < 0:
-            raise ValueError(f"a retry policy needs attempts >= 1 and non-negative times, got {self}")
-        if min(self.connect_timeout_s, self.read_timeout_s) <= 0:
-            raise ValueError(f"a retry policy needs positive timeouts, got {self}")
-
-    @classmethod
-    def of(cls, value: RetryPolicy | Mapping[str, Any] | None) -> RetryPolicy:
-        """``value`` itself, a policy from a dict of its fields, or the default policy."""
-        if value is None:
-            return cls()
-        if isinstance(value, RetryPolicy):
-            return value
-        unknown = set(value) - {f.name for f in fields(cls)}
-        if unknown:
-            raise ValueError(f"unknown retry policy fields {sorted(unknown)}; known: {[f.name for f in fields(cls)]}")
-        return cls(**value)
-
-    @property
-    def timeout(self) -> tuple[float, float]:
-        return (self.connect_timeout_s, self.read_timeout_s)
-
-    def run(
-        self,
-        attempt: Callable[[], T],
-        *,
-        what: str,
-        file: str | None,
-        is_transient: Callable[[BaseException], bool] | None = None,
-    ) -> T:
-        """``attempt()``, retried while it raises :class:`TransientError` or what ``is_transient`` accepts."""
-        start = time.monotonic()
-        delay = self.backoff_s
-        tries = 0
-        while True:
-            tries += 1
-            try:
-                return attempt()
-            except Exception as error:
-                transient = isinstance(error, TransientError) or (
-                    is_transient is not None and not isinstance(error, HPDCPHFError) and is_transient(error)
-                )
-                if not transient:
-                    raise
-                elapsed = time.monotonic() - start
-                wait = delay * random.uniform(0.5, 1.0)
-                retry_after = getattr(error, "retry_after", None)
-                if retry_after is not None:
-                    wait = max(wait, min(retry_after, self.max_backoff_s))
-                if tries >= self.attempts or elapsed + wait > self.deadline_s:
-                    reason = error.reason if isinstance(error, HPDCPHFError) else f"{type(error).__name__}: {error}"
-                    raise StorageReadError(
-                        f"{what} failed {tries} time(s) in {elapsed:.1f} s, giving up (retry policy: "
-                        f"{self.attempts} attempts within {self.deadline_s:g} s); last error: {reason}",
-                        file=file,
-                    ) from error
-                time.sleep(wait)
-                delay = min(delay * 2, self.max_backoff_s)
-
 
 # -- HTTP client ----------------------------------------------------------------------------------
 
@@ -214,16 +124,6 @@ def _retry_after(value: str | None) -> float | None:
         return max(0.0, float(value)) if value is not None else None
     except ValueError:
         return None  # an HTTP date: use our own backoff
-
-
-_CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
-
-
-def _etag(value: str | None) -> str | None:
-    """An ETag as compared: a weak one (``W/"x"``) names the same version as the strong ``"x"``."""
-    if not value:
-        return None
-    return value.strip().removeprefix("W/")
 
 
 def _header(response: Any, name: str) -> str | None:
@@ -310,16 +210,16 @@ class HttpClient:
                     return None
                 length = response.headers.get("Content-Length")
                 if response.status_code == 200 and length is not None:
-                    return FileVersion(int(length), _etag(_header(response, "ETag")))
+                    return FileVersion(int(length), etag(_header(response, "ETag")))
                 if response.status_code not in (200, 405, 501):
                     raise self._status_error(response, "HEAD", file)
             # No HEAD, or no length in its answer: ask for the first byte and read the total.
             with self._get(url, {"Range": "bytes=0-0"}) as response:
-                tag = _etag(_header(response, "ETag"))
+                tag = etag(_header(response, "ETag"))
                 if response.status_code in (404, 410):
                     return None
                 if response.status_code in (206, 416):
-                    m = _CONTENT_RANGE.match(response.headers.get("Content-Range", "").replace("*/", "0-0/"))
+                    m = CONTENT_RANGE.match(response.headers.get("Content-Range", "").replace("*/", "0-0/"))
                     if m and m.group(3) != "*":
                         return FileVersion(int(m.group(3)), tag)
                 if response.status_code == 200 and response.headers.get("Content-Length") is not None:
@@ -344,33 +244,14 @@ class HttpClient:
         With ``expected``, every answer's ``Content-Range`` total and ``tag_header`` (``ETag``, or
         the Hub's ``X-Repo-Commit``) must be those of that version, else the file changed.
         """
-        views = [v for v in (memoryview(b).cast("B") for b in buffers) if v.nbytes]
-        end = start + sum(v.nbytes for v in views)
-        if end == start:
-            return
-        progress = {"pos": start, "index": 0, "offset": 0}
-        what = f"GET bytes [{start}, {end})"
 
-        def attempt() -> None:
-            pos = progress["pos"]
+        @contextlib.contextmanager
+        def get(pos: int, end: int) -> Iterator[Body]:
             with self._get(url, {"Range": f"bytes={pos}-{end - 1}"}) as response:
                 self._check_range(response, file, pos, end, expected, tag_header)
-                raw = response.raw
-                while progress["pos"] < end:
-                    view = views[progress["index"]]
-                    offset = progress["offset"]
-                    n = raw.readinto(view[offset : offset + min(_READ_CHUNK, view.nbytes - offset)])
-                    if not n:
-                        raise TransientError(
-                            f"body ended after {progress['pos'] - pos} of {end - pos} bytes", file=file
-                        )
-                    progress["pos"] += n
-                    progress["offset"] += n
-                    if progress["offset"] == view.nbytes:
-                        progress["index"] += 1
-                        progress["offset"] = 0
+                yield response.raw.readinto
 
-        self._run(attempt, what, file)
+        read_ranged(file, start, buffers, get, lambda attempt, what: self._run(attempt, what, file))
 
     def _check_range(
         self,
@@ -385,47 +266,21 @@ class HttpClient:
         (before reading the body)."""
         code = response.status_code
         asked = f"bytes [{pos}, {end})"
-        if expected is not None and code in (200, 206):
-            m = _CONTENT_RANGE.match(response.headers.get("Content-Range", ""))
-            if code == 206 and m and m.group(3) != "*":
-                expected.check(file, size=int(m.group(3)))
-            tag = _header(response, tag_header)
-            expected.check(file, tag=_etag(tag) if tag_header == "ETag" else tag)
-        encoding = response.headers.get("Content-Encoding", "identity").lower()
-        if code in (200, 206) and encoding not in ("identity", ""):
-            raise StorageReadError(
-                f"{asked}: the server sent Content-Encoding {encoding!r}; byte ranges need the identity encoding",
-                file=file,
-            )
-        if code == 206:
-            m = _CONTENT_RANGE.match(response.headers.get("Content-Range", ""))
-            if m is None:
-                raise StorageReadError(f"{asked}: 206 without a valid Content-Range header", file=file)
-            first, last, total = int(m.group(1)), int(m.group(2)), m.group(3)
-            if total != "*" and int(total) < end:
+        if code in (200, 206):
+            encoding = response.headers.get("Content-Encoding", "identity").lower()
+            if encoding not in ("identity", ""):
                 raise StorageReadError(
-                    f"{asked}: the file has only {total} bytes (it changed since its header was read?)",
+                    f"{asked}: the server sent Content-Encoding {encoding!r}; byte ranges need the identity encoding",
                     file=file,
                 )
-            if first != pos or last + 1 < end:
-                raise StorageReadError(
-                    f"{asked}: the server answered with bytes [{first}, {last + 1}) instead", file=file
-                )
-            return
-        if code == 200:
-            length = response.headers.get("Content-Length")
-            if pos == 0 and length is not None and int(length) == end:
-                if expected is not None:
-                    expected.check(file, size=int(length))
-                return  # the whole file is exactly the range asked
-            raise StorageReadError(
-                f"{asked}: the server ignored the Range header (HTTP 200 with the whole file"
-                f"{f', {length} bytes' if length is not None else ''}); hp-dcp-hf reads byte ranges only, "
-                "serve the checkpoint from a server that honours Range (206 Partial Content)",
-                file=file,
+            tag = _header(response, tag_header)
+            check_answer(
+                file, pos, end, code, response.headers.get("Content-Range"), response.headers.get("Content-Length"),
+                expected, etag(tag) if tag_header == "ETag" else tag,
             )
+            return
         if code == 416:
-            m = _CONTENT_RANGE.match(response.headers.get("Content-Range", "").replace("*/", "0-0/"))
+            m = CONTENT_RANGE.match(response.headers.get("Content-Range", "").replace("*/", "0-0/"))
             if expected is not None and m and m.group(3) != "*":
                 expected.check(file, size=int(m.group(3)))
             raise StorageReadError(
@@ -722,84 +577,6 @@ class HubBackend(Backend):
         return HttpRangeFile(file, self.url(path), self._http(), expected, tag_header="X-Repo-Commit")
 
 
-# -- S3 -------------------------------------------------------------------------------------------
-
-
-def _client_error_code(error: BaseException) -> str | None:
-    """The S3 error code behind an error s3fs translated (its cause is botocore's ClientError)."""
-    for e in (error, error.__cause__, error.__context__):
-        response = getattr(e, "response", None)
-        if isinstance(response, dict):
-            return str((response.get("Error") or {}).get("Code", "")) or None
-    return None
-
-
-class _S3File(_FsspecFile):
-    """An S3 object read with ranged ``get_object`` calls, each answer's ``ContentRange`` total and
-    ``ETag`` checked against the expected version (``cat_file`` would hide them)."""
-
-    def fetch(self, start: int, end: int) -> bytes:
-        if end <= start:
-            return b""
-        from fsspec.asyn import sync
-
-        fs: Any = self._fs
-        bucket, key, version_id = fs.split_path(self._path)
-        extra = {"VersionId": version_id} if version_id else {}
-
-        async def get() -> bytes:
-            response = await fs._call_s3(
-                "get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}", **extra
-            )
-            body = response["Body"]
-            try:
-                if self._expected is not None:
-                    m = _CONTENT_RANGE.match(response.get("ContentRange") or "")
-                    if m and m.group(3) != "*":
-                        self._expected.check(self.file, size=int(m.group(3)))
-                    self._expected.check(self.file, tag=_etag(response.get("ETag")))
-                return await body.read()
-            finally:
-                body.close()
-
-        try:
-            from s3fs.core import _error_wrapper  # what cat_file does: retry dropped bodies too
-        except ImportError:  # pragma: no cover - a future s3fs without it: our retry policy only
-            call = get
-        else:
-
-            async def call() -> bytes:
-                return await _error_wrapper(get, retries=fs.retries)
-
-        try:
-            return sync(fs.loop, call)
-        except OSError as e:
-            if _client_error_code(e) not in ("InvalidRange", "416"):
-                raise
-            if self._expected is not None:
-                raise changed_error(self.file, f"size {self._expected.size} -> at most {start}") from e
-            raise StorageReadError(
-                f"bytes [{start}, {end}): range not satisfiable, the object is shorter than its header says",
-                file=self.file,
-            ) from e
-
-
-class S3Backend(FsspecBackend):
-    """S3 through s3fs: sizes come with their ETag, data reads check both on every answer."""
-
-    def __repr__(self) -> str:
-        return "S3Backend()"
-
-    def stat(self, path: str) -> FileVersion:
-        info = self._call("info", path, lambda: self.fs.info(path))
-        if info.get("type") != "file":
-            raise FileNotFoundError(path)
-        return FileVersion(int(info["size"]), _etag(info.get("ETag")))
-
-    def open(self, path: str, file: str, expected: FileVersion | None = None) -> RangeFile:
-        return _S3File(file, self.fs, path, self.retry, expected)
-
-
 # -- choosing a backend ---------------------------------------------------------------------------
 
 
@@ -817,16 +594,3 @@ def resolve(path: str, options: dict[str, Any], retry: RetryPolicy) -> tuple[Bac
         hint = f" ({path!r} is no local path, so it was read as a Hub repo id)"
         return HubBackend(retry, hint=hint, **options), path
     return None
-
-
-def backend_for_filesystem(fs: AbstractFileSystem, retry: RetryPolicy | None = None) -> Backend:
-    """The backend reading through an fsspec filesystem: the Hub's own for ``HfFileSystem``."""
-    try:
-        from huggingface_hub import HfFileSystem
-    except ImportError:  # pragma: no cover - huggingface_hub is a dependency
-        HfFileSystem = ()  # type: ignore[assignment]  # noqa: N806
-    if isinstance(fs, HfFileSystem):
-        return HubBackend(retry, fs=fs)
-    if type(fs).__name__ == "S3FileSystem" and hasattr(fs, "_call_s3") and hasattr(fs, "split_path"):
-        return S3Backend(fs, retry)
-    return FsspecBackend(fs, retry)

@@ -14,6 +14,10 @@ their ``match`` accepts, the first ``count`` of them (``None``: every one):
 * ``"reset"``: close the connection without any answer;
 * ``"stall"``: wait ``delay_s`` seconds before answering normally (a server that hangs).
 
+:attr:`RangeServer.in_flight` (an :class:`InFlight`) counts the requests being answered at once and
+keeps the most it saw (``max``): how tests observe a client's concurrency; a ``stall`` fault on
+every request is a per-request latency.
+
 ``on_request(method, path, range_header)``, when set, runs before each request is answered (tests
 use it to change the served content at a chosen moment).
 
@@ -79,6 +83,30 @@ class Error:
     headers: Mapping[str, str] = field(default_factory=dict)
 
 
+class InFlight:
+    """Requests being answered right now, and the most at once since :meth:`reset` (a context
+    manager around each answer)."""
+
+    def __init__(self) -> None:
+        self.now = 0
+        self.max = 0
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> InFlight:
+        with self._lock:
+            self.now += 1
+            self.max = max(self.max, self.now)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with self._lock:
+            self.now -= 1
+
+    def reset(self) -> None:
+        with self._lock:
+            self.max = self.now
+
+
 Match = Callable[[str, str, "str | None"], bool]
 """``match(method, path, range_header)``: whether a fault applies to a request."""
 
@@ -129,6 +157,7 @@ class RangeServer:
         self.log: list[LoggedRequest] = []
         self.ignore_range: bool | Callable[[str], bool] = False
         self.on_request: Callable[[str, str, str | None], None] | None = None
+        self.in_flight = InFlight()
         self._faults: list[Fault] = []
         self._lock = threading.Lock()
         self._server = _Server(("127.0.0.1", 0), _Handler)
@@ -178,6 +207,7 @@ class RangeServer:
             self._faults.clear()
         self.ignore_range = False
         self.on_request = None
+        self.in_flight.reset()
 
     def requests(self, method: str | None = None, faults: bool = False) -> list[LoggedRequest]:
         """A snapshot of the log (without faulted requests unless ``faults``)."""
@@ -206,6 +236,10 @@ class RangeServer:
             self.log.append(entry)
 
     def _handle(self, handler: _Handler, method: str) -> None:
+        with self.in_flight:
+            self._answer(handler, method)
+
+    def _answer(self, handler: _Handler, method: str) -> None:
         split = urlsplit(handler.path)
         path = unquote(split.path)
         range_ = handler.headers.get("Range")

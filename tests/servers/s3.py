@@ -3,7 +3,9 @@
 ``MotoS3`` starts the server in this process (a thread; stop it with :meth:`MotoS3.stop`), creates
 buckets and uploads directories through boto3, and reads back moto's request recording
 (``/moto-api/recorder/...``): every request with its method, path, ``Range`` and ``User-Agent``.
-The recording goes to a file of our choosing, never the working directory.
+The recording goes to a file of our choosing, never the working directory. Every request also
+passes :attr:`MotoS3.in_flight` (how many are answered at once, and the most since its reset) and
+waits :attr:`MotoS3.latency_s` first when it carries a ``Range`` (a store's round trip).
 """
 
 from __future__ import annotations
@@ -12,11 +14,14 @@ import json
 import logging
 import os
 import re
+import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
+
+from tests.servers.range_server import InFlight
 
 CREDENTIALS = {"key": "testing", "secret": "testing"}
 REGION = "us-east-1"
@@ -51,12 +56,25 @@ class MotoS3:
         moto.moto_api.recorder._location = str(recording_file)  # in case moto was imported before
         self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
         self._server.start()
+        self.in_flight = InFlight()
+        self.latency_s = 0.0
+        wsgi = self._server._server  # werkzeug's server: wrap its app to count and delay requests
+        wsgi.app = self._observed(wsgi.app)
         host, port = self._server.get_host_and_port()
         self.url = f"http://{host}:{port}"
         self._client = None
 
     def stop(self) -> None:
         self._server.stop()
+
+    def _observed(self, app: Any) -> Any:
+        def observed(environ: dict[str, Any], start_response: Any) -> Any:
+            with self.in_flight:
+                if environ.get("HTTP_RANGE") and self.latency_s:
+                    time.sleep(self.latency_s)
+                return app(environ, start_response)
+
+        return observed
 
     def storage_options(self, **config: Any) -> dict[str, Any]:
         """s3fs options for this server; ``config`` goes to botocore's ``Config`` (``config_kwargs``)."""

@@ -1,0 +1,276 @@
+"""Local files and any other fsspec filesystem: the backend every store without one of its own uses.
+
+Local files get ``os.preadv`` straight into the caller's buffers (no intermediate copy), or are
+mapped into memory (:meth:`RangeFile.mapped`) so that a box is one strided copy instead of one read
+per row; other fsspec filesystems (``memory://``, ``gs://``, ...) get exact ranged ``cat_file``
+calls (never ``open()``, whose read-ahead fetches far past the range), retried on transient
+errors. The S3 backend (:mod:`hp_dcp_hf.storage.s3`) builds on :class:`FsspecBackend` for its
+metadata.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import mmap
+import os
+import posixpath
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+from fsspec import AbstractFileSystem
+from fsspec.implementations.local import LocalFileSystem
+
+from hp_dcp_hf.errors import CheckpointNotFoundError, HPDCPHFError, StorageReadError
+from hp_dcp_hf.storage.backend import (
+    REMOTE_COALESCE_GAP,
+    Backend,
+    FileVersion,
+    RangeFile,
+    RetryPolicy,
+    changed_error,
+    fill_views,
+    host_name,
+)
+
+T = TypeVar("T")
+
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+
+REMOTE_BLOCK_BYTES = 16 * 2**20
+"""Largest single ``cat_file`` request: bounds the temporary ``bytes`` a remote read holds at once."""
+
+
+# -- local files ----------------------------------------------------------------------------------
+
+
+def local_version(st: os.stat_result) -> FileVersion:
+    """The version of a local file from its ``stat``: size, and mtime + inode on this host."""
+    return FileVersion(st.st_size, f"mtime_ns={st.st_mtime_ns} inode={st.st_ino}", host_name())
+
+
+class _LocalFile(RangeFile):
+    """A local file: one descriptor, ``os.preadv`` scatter reads straight into the caller's buffers,
+    or private read-only mappings of the ranges asked (:meth:`mapped`).
+
+    With an ``expected`` version, ``os.fstat`` of the descriptor is checked against it before the
+    first read or mapping (so a file changed before the load reads nothing) and when the handle
+    closes, before the reader commits anything it read (so one changed while it was read raises
+    instead of leaving mixed bytes unreported); not after every read, which would double the
+    syscalls of a layout that reads one range per row. A mapped file truncated during the copy is
+    the exception: the kernel answers the access past its end with SIGBUS, as for every reader that
+    maps files.
+    """
+
+    def __init__(self, file: str, path: str, expected: FileVersion | None = None) -> None:
+        super().__init__(file)
+        self._expected = expected
+        self._checked = False
+        self._size: int | None = None
+        try:
+            self._fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError as e:
+            raise CheckpointNotFoundError("file does not exist", file=file) from e
+        except OSError as e:
+            raise StorageReadError(f"cannot open: {e}", file=file) from e
+
+    def _check_unchanged(self) -> None:
+        if self._expected is None:
+            return
+        current = local_version(os.fstat(self._fd))
+        self._expected.check(self.file, size=current.size, tag=current.tag)
+        self._checked = True
+
+    def read_into(self, start: int, buffers: Sequence[Any]) -> None:
+        if not self._checked:
+            self._check_unchanged()
+        views = [v for v in (memoryview(b).cast("B") for b in buffers) if v.nbytes]
+        end = start + sum(v.nbytes for v in views)
+        pos, first = start, 0
+        while first < len(views):
+            try:
+                got = os.preadv(self._fd, views[first : first + _IOV_MAX], pos)
+            except OSError as e:
+                raise StorageReadError(f"read at {pos} failed: {e}", file=self.file) from e
+            if got == 0:
+                self._check_unchanged()  # a file cut short since its header was read says so
+                raise self._short(start, end, pos - start)
+            pos += got
+            # preadv may stop early (signals, >2 GiB): drop what is filled, trim the partial view.
+            while first < len(views) and views[first].nbytes <= got:
+                got -= views[first].nbytes
+                first += 1
+            if got:
+                views[first] = views[first][got:]
+
+    def mapped(self, start: int, end: int) -> memoryview:
+        if not self._checked:
+            self._check_unchanged()
+        if self._size is None:
+            self._size = os.fstat(self._fd).st_size
+        if end > self._size:  # a mapping past the end of a file answers with SIGBUS, not a short read
+            raise self._short(start, end, max(0, self._size - start))
+        offset = start - start % mmap.ALLOCATIONGRANULARITY
+        try:
+            # ACCESS_COPY: private pages, so the view is writable (torch.frombuffer wants that)
+            # without any write ever reaching the file.
+            mapping = mmap.mmap(self._fd, end - offset, access=mmap.ACCESS_COPY, offset=offset)
+        except (OSError, ValueError) as e:
+            raise StorageReadError(f"cannot map [{start}, {end}): {e}", file=self.file) from e
+        return memoryview(mapping)[start - offset :]
+
+    def close(self) -> None:
+        try:
+            if self._checked:
+                self._check_unchanged()
+        finally:
+            os.close(self._fd)
+
+
+# -- fsspec: transient errors ---------------------------------------------------------------------
+
+_PERMANENT_OS_ERRORS = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
+
+
+def _network_error_types() -> tuple[type[BaseException], ...]:
+    """Transport error types of the async clients fsspec filesystems use, where installed."""
+    types: list[type[BaseException]] = [asyncio.TimeoutError]
+    try:
+        import aiohttp
+
+        types += [aiohttp.ClientConnectionError, aiohttp.ClientPayloadError]
+    except ImportError:
+        pass
+    try:
+        from botocore.exceptions import HTTPClientError
+
+        types.append(HTTPClientError)
+    except ImportError:
+        pass
+    return tuple(types)
+
+
+def fsspec_error_is_transient(error: BaseException) -> bool:
+    """Worth retrying: I/O errors other than missing/forbidden paths, timeouts, dropped connections."""
+    if isinstance(error, _PERMANENT_OS_ERRORS):
+        return False
+    return isinstance(error, (OSError, *_network_error_types()))
+
+
+class _FsspecFile(RangeFile):
+    """Any other fsspec filesystem: exact ranged ``cat_file`` calls of at most REMOTE_BLOCK_BYTES.
+
+    Transient errors are retried under ``retry`` (see :class:`~hp_dcp_hf.storage.backend.RetryPolicy`);
+    a body shorter than asked is a file shorter than its header says, one longer is a server that
+    ignored the range: both raise at once. ``cat_file`` shows no response headers, so against an
+    ``expected`` version only a short body is checked (as a changed size); stores with headers to
+    check (S3) override :meth:`fetch`.
+    """
+
+    def __init__(
+        self,
+        file: str,
+        fs: AbstractFileSystem,
+        path: str,
+        retry: RetryPolicy | None = None,
+        expected: FileVersion | None = None,
+    ) -> None:
+        super().__init__(file)
+        self._fs = fs
+        self._path = path
+        self._retry = retry
+        self._expected = expected
+
+    def fetch(self, start: int, end: int) -> bytes:
+        """One try at the bytes ``[start, end)`` (fewer at the end of the file)."""
+        return self._fs.cat_file(self._path, start=start, end=end)
+
+    def read(self, start: int, end: int) -> bytes:
+        def attempt() -> bytes:
+            return self.fetch(start, end)
+
+        try:
+            if self._retry is None:
+                data = attempt()
+            else:
+                data = self._retry.run(
+                    attempt, what=f"ranged read [{start}, {end})", file=self.file,
+                    is_transient=fsspec_error_is_transient,
+                )
+        except HPDCPHFError:
+            raise
+        except FileNotFoundError as e:
+            raise CheckpointNotFoundError("file does not exist", file=self.file) from e
+        except Exception as e:
+            raise StorageReadError(
+                f"ranged read [{start}, {end}) failed: {type(e).__name__}: {e}", file=self.file
+            ) from e
+        if len(data) > end - start:
+            raise StorageReadError(
+                f"asked for bytes [{start}, {end}) ({end - start} bytes) and got {len(data)}: the store "
+                "ignored the byte range (a whole-file answer); ranged reads need a store that honours Range",
+                file=self.file,
+            )
+        if len(data) < end - start:
+            if self._expected is not None and start + len(data) < self._expected.size:
+                size = start + len(data) if data else f"at most {start}"
+                raise changed_error(self.file, f"size {self._expected.size} -> {size}")
+            raise self._short(start, end, len(data))
+        return data
+
+    def read_into(self, start: int, buffers: Sequence[Any]) -> None:
+        views = [memoryview(b).cast("B") for b in buffers]
+        end = start + sum(v.nbytes for v in views)
+        pos, position = start, (0, 0)
+        while pos < end:
+            data = memoryview(self.read(pos, min(end, pos + REMOTE_BLOCK_BYTES)))
+            position = fill_views(views, position, data)
+            pos += len(data)
+
+
+class FsspecBackend(Backend):
+    """Any fsspec filesystem; local files are read with ``preadv`` or mapped, others with retried
+    ``cat_file``."""
+
+    def __init__(self, fs: AbstractFileSystem, retry: RetryPolicy | None = None) -> None:
+        self.fs = fs
+        self.local = self.mappable = isinstance(fs, LocalFileSystem)
+        self.coalesce_gap = 0 if self.local else REMOTE_COALESCE_GAP
+        if retry is None and not self.local:
+            retry = RetryPolicy()
+        self.retry = None if self.local else retry
+
+    def __repr__(self) -> str:
+        return f"FsspecBackend({type(self.fs).__name__})"
+
+    def _call(self, what: str, path: str, fn: Callable[[], T]) -> T:
+        if self.retry is None:
+            return fn()
+        try:
+            return self.retry.run(fn, what=what, file=path, is_transient=fsspec_error_is_transient)
+        except (HPDCPHFError, FileNotFoundError):
+            raise
+        except Exception as e:  # credentials, permissions, ...: one typed error on every rank
+            raise StorageReadError(f"{what} failed: {type(e).__name__}: {e}", file=path) from e
+
+    def isfile(self, path: str) -> bool:
+        return self._call("isfile", path, lambda: self.fs.isfile(path))
+
+    def isdir(self, path: str) -> bool:
+        return self._call("isdir", path, lambda: self.fs.isdir(path))
+
+    def size(self, path: str) -> int:
+        return int(self._call("size", path, lambda: self.fs.size(path)))
+
+    def stat(self, path: str) -> FileVersion:
+        if self.local:
+            return local_version(os.stat(path))
+        return super().stat(path)
+
+    def list_files(self, root: str) -> list[str]:
+        entries = self._call("list", root, lambda: self.fs.ls(root, detail=True))
+        return sorted(posixpath.basename(e["name"].rstrip("/")) for e in entries if e.get("type") == "file")
+
+    def open(self, path: str, file: str, expected: FileVersion | None = None) -> RangeFile:
+        if self.local:
+            return _LocalFile(file, path, expected)
+        return _FsspecFile(file, self.fs, path, self.retry, expected)
