@@ -72,7 +72,7 @@ def load_hf_checkpoint(
         # torch's dcp.load reduces an error of read_metadata to an AssertionError with its text:
         # the reader kept the error itself.
         error = reader.metadata_error or unwrap_checkpoint_exception(exc)
-    if should_broadcast():
+    if should_broadcast() and not getattr(error, "agreed", False):  # a cooperative read agreed already
         error = agree_on_failure(error)
     if error is not None:
         error.touched_keys = tuple(sorted(planner.touched_targets))  # type: ignore[attr-defined]

@@ -36,6 +36,8 @@ from hp_dcp_hf.mapping.quantized import (
     uncovered_weight_boxes,
 )
 from hp_dcp_hf.mapping.stages import model_stages, recorded_source_shapes
+from hp_dcp_hf.parallel.cooperation import COOPERATE, SharedTarget, restrict_rows
+from hp_dcp_hf.parallel.replicas import ReplicaGroups
 from hp_dcp_hf.perf import paused_gc
 from hp_dcp_hf.storage.catalog import QUANTIZATION_CONFIG
 
@@ -70,6 +72,9 @@ class PlanStats:
     bytes_by_key: dict[str, int] = field(default_factory=dict)
     quantized_bytes: int = 0  # of bytes_needed: quantized weights, as stored
     scale_bytes: int = 0  # of bytes_needed: the scale blocks that dequantize them
+    shared_targets: int = 0  # targets whose replicas split the reads (cooperative loads)
+    peer_bytes_in: int = 0  # bytes of the replicas' slices this rank receives instead of reading
+    peer_bytes_out: int = 0  # bytes of its own slices this rank sends to its replicas
 
 
 @dataclass
@@ -148,6 +153,7 @@ class HFMappingPlanner(LoadPlanner):
         self.composition = composition
         self.filled: tuple[str, ...] = ()  # the state dict keys written (one per tied group)
         self.quantized: dict[str, QuantizedTensor] = {}  # quantized checkpoint tensors read as values
+        self.shared: list[SharedTarget] = []  # cooperative loads: targets whose replicas split the reads
         self._destinations: dict[ReadItem, LocalView] = {}
         self._dequantizations: dict[ReadItem, _Dequantization] = {}
         self._staging: dict[str, torch.Tensor] = {}
@@ -231,6 +237,9 @@ class HFMappingPlanner(LoadPlanner):
     # -- planning -----------------------------------------------------------------------------
     def plan_reads(self, state_dict: Mapping[str, Any], metadata: Metadata) -> list[ReadItem]:
         """Validate everything and return this rank's ReadItems (no byte is read or written)."""
+        planner_data = metadata.planner_data if isinstance(metadata.planner_data, Mapping) else {}
+        # Collective (cooperative loads): first, before any check that may fail on one rank alone.
+        replicas = ReplicaGroups(list(state_dict.values())) if planner_data.get(COOPERATE) else None
         stored = {
             key: TensorSpec(tuple(md.size), md.properties.dtype)
             for key, md in metadata.state_dict_metadata.items()
@@ -271,7 +280,7 @@ class HFMappingPlanner(LoadPlanner):
                                    f"{list(_sorted(missing))}")
         used = set().union(*(composition.source_keys(n) for n in fill))
         self.report = LoadReport(_sorted(loaded), _sorted(missing), _sorted(set(sources) - used))
-        items = self._make_items(composition, state_dict, fill, stored, sources)
+        items = self._make_items(composition, state_dict, fill, stored, sources, replicas)
         if isinstance(self.model, nn.Module):
             self.model._weight_conversions = composition.used_transforms
         return items
@@ -337,7 +346,8 @@ class HFMappingPlanner(LoadPlanner):
             raise MappingError(f"{len(problems)} model tensors do not match the checkpoint:\n  "
                                + "\n  ".join(problems))
 
-    def _make_items(self, composition: Composition, state_dict, fill, stored, sources) -> list[ReadItem]:
+    def _make_items(self, composition: Composition, state_dict, fill, stored, sources,
+                    replicas: ReplicaGroups | None) -> list[ReadItem]:
         """This rank's items. ``sources`` are the tensors the conversions see (quantized ones as
         values), ``stored`` the checkpoint's tensors as stored: bytes are counted in their dtypes (a
         quantized box costs its quantized bytes plus its scales)."""
@@ -345,9 +355,12 @@ class HFMappingPlanner(LoadPlanner):
         staged: set[str] = set()
         source_ndim = {key: len(spec.shape) for key, spec in sources.items()}
         stats = PlanStats()
+        self.shared = []
         for target in _sorted(fill):
             tensor = state_dict[target]
             pieces = local_shard_pieces(tensor, key=target)
+            if replicas is not None and not isinstance(composition.traced[target], Opaque):
+                pieces = self._share(target, tensor, pieces, replicas, stats)
             if not any(p.global_box.numel for p in pieces):
                 continue
             stats.targets += 1
@@ -398,6 +411,21 @@ class HFMappingPlanner(LoadPlanner):
             logger.warning("%d targets need conversions that cannot be traced; %d bytes are read whole "
                            "and converted in memory", stats.deferred_targets, stats.deferred_bytes)
         return items
+
+    def _share(self, target: str, tensor: torch.Tensor, pieces: tuple[ShardPiece, ...], replicas: ReplicaGroups,
+               stats: PlanStats) -> tuple[ShardPiece, ...]:
+        """The pieces this rank reads of ``target``: its slice when replicas share the reads."""
+        local = local_tensor(tensor)
+        group = replicas.group(tensor)
+        if len(group) < 2 or not pieces or not local.is_contiguous():
+            return pieces
+        shared = SharedTarget(target, local, group)
+        self.shared.append(shared)
+        mine = shared.slice_bytes(replicas.rank).numel()
+        stats.shared_targets += 1
+        stats.peer_bytes_in += local.numel() * local.element_size() - mine
+        stats.peer_bytes_out += mine * (len(group) - 1)
+        return restrict_rows(pieces, *shared.rows(replicas.rank))
 
     def _dequantization_items(self, target: str, local: torch.Tensor, block: ReadBlock) -> list[ReadItem]:
         """The checkpoint boxes that make ``block`` of a quantized tensor (its quantized bytes

@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
@@ -40,14 +39,14 @@ from torch.distributed.checkpoint.planner import (
     WriteItem,
     WriteItemType,
 )
-from torch.distributed.tensor import DTensor
 from transformers.core_model_loading import WeightTransform, dot_natural_key
 
-from hp_dcp_hf.errors import LayoutError, MappingError, PlanningError
+from hp_dcp_hf.errors import MappingError, PlanningError
 from hp_dcp_hf.layout import local_shard_pieces, local_tensor
 from hp_dcp_hf.mapping.blocks import LocalView, read_blocks
 from hp_dcp_hf.mapping.compose import Composition, Opaque, TensorSpec
 from hp_dcp_hf.mapping.stages import model_stages, original_class, recorded_source_shapes
+from hp_dcp_hf.parallel.replicas import ReplicaGroups
 from hp_dcp_hf.perf import paused_gc
 from hp_dcp_hf.planner import alias_groups
 
@@ -161,7 +160,7 @@ class HFSavePlanner(SavePlanner):
         items: list[WriteItem] = []
         self._views.clear()
         self.bytes_planned = 0
-        replicas = _Replicas([state_dict[target] for target in fill])
+        replicas = ReplicaGroups([state_dict[target] for target in fill])
         for ordinal, target in enumerate(fill):
             tensor = state_dict[target]
             if not replicas.writes(tensor, ordinal, target):
@@ -206,56 +205,3 @@ class HFSavePlanner(SavePlanner):
                      for key, n in covered.items() if n != math.prod(specs[key].shape)]
         if problems:
             raise MappingError(f"{len(problems)} tensors cannot be written back exactly:\n  " + "\n  ".join(problems))
-
-
-MeshKind = tuple[tuple[str, ...] | None, tuple[int, ...]]
-
-
-def _mesh_kind(tensor: DTensor) -> MeshKind:
-    mesh = tensor.device_mesh
-    return mesh.mesh_dim_names, tuple(mesh.shape)
-
-
-class _Replicas:
-    """Which ranks hold the same piece of a tensor, so that one of them writes it.
-
-    A DTensor is replicated along its ``Replicate`` mesh dims, and also across every rank that
-    holds the same coordinate on a mesh of the same kind (FSDP's ``dp`` submesh is one of ``tp``
-    parallel copies: those ranks are replicas its placements do not show). Ranks tell each other
-    their coordinate on each kind of mesh once (one ``all_gather_object`` per save); a plain tensor
-    in a process group is held by every rank.
-    """
-
-    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
-        kinds = {_mesh_kind(t): t.device_mesh.get_coordinate() for t in tensors if isinstance(t, DTensor)}
-        self.distributed = dist.is_available() and dist.is_initialized()
-        self.rank = dist.get_rank() if self.distributed else 0
-        self.world = dist.get_world_size() if self.distributed else 1
-        every = [kinds]
-        if self.distributed:
-            every = [None] * self.world
-            dist.all_gather_object(every, {k: tuple(c) if c is not None else None for k, c in kinds.items()})
-        # kind -> coordinate -> the ranks holding it, in rank order
-        self.holders: dict[MeshKind, dict[tuple[int, ...], list[int]]] = {}
-        for rank, rank_kinds in enumerate(every):
-            for kind, coordinate in rank_kinds.items():
-                if coordinate is not None:
-                    self.holders.setdefault(kind, {}).setdefault(tuple(coordinate), []).append(rank)
-
-    def writes(self, tensor: torch.Tensor, ordinal: int, key: str) -> bool:
-        """Whether this rank writes its pieces of ``tensor``, the ``ordinal``-th tensor saved: one
-        replica of each, replicas taking turns."""
-        if not isinstance(tensor, DTensor):
-            return self.rank == ordinal % self.world
-        if any(p.is_partial() for p in tensor.placements):
-            raise LayoutError(f"Partial placements {tensor.placements} hold no savable value", key=key)
-        coordinate = tensor.device_mesh.get_coordinate()
-        if coordinate is None:
-            return False
-        holders = self.holders.get(_mesh_kind(tensor), {}).get(tuple(coordinate), [self.rank])
-        replica, replicas = holders.index(self.rank), len(holders)
-        for dim, placement in enumerate(tensor.placements):
-            if placement.is_replicate():
-                replica = replica * tensor.device_mesh.shape[dim] + coordinate[dim]
-                replicas *= tensor.device_mesh.shape[dim]
-        return replica == ordinal % replicas

@@ -27,7 +27,7 @@ def should_broadcast() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def _device() -> torch.device:
+def collective_device() -> torch.device:
     # NCCL only moves CUDA tensors; gloo (and mixed "cpu:gloo,cuda:nccl" groups) take CPU ones.
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
@@ -54,7 +54,7 @@ def _decode_error(raw: bytes, rank: int = 0) -> HPDCPHFError:
 
 
 def _broadcast(payload: bytes | None, src: int = 0) -> bytes:
-    device = _device()
+    device = collective_device()
     length = torch.tensor([len(payload) if payload is not None else 0], dtype=torch.int64, device=device)
     dist.broadcast(length, src=src)
     if payload is not None:
@@ -73,7 +73,7 @@ def agree_on_failure(error: BaseException | None) -> BaseException | None:
     gathered failures do.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
-    first = torch.tensor([rank if error is not None else world], dtype=torch.int64, device=_device())
+    first = torch.tensor([rank if error is not None else world], dtype=torch.int64, device=collective_device())
     dist.all_reduce(first, op=dist.ReduceOp.MIN)
     src = int(first.item())
     if src == world:

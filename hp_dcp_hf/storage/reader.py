@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -40,8 +40,9 @@ from torch.futures import Future
 
 from hp_dcp_hf.box import Box
 from hp_dcp_hf.errors import HPDCPHFError, PlanningError, StorageReadError
+from hp_dcp_hf.parallel.cooperation import COOPERATE, ExchangeStats, share_slices
 from hp_dcp_hf.perf import paused_gc
-from hp_dcp_hf.storage.broadcast import share_from_rank0, should_broadcast
+from hp_dcp_hf.storage.broadcast import agree_on_failure, share_from_rank0, should_broadcast
 from hp_dcp_hf.storage.catalog import QUANTIZATION_CONFIG, Catalog, find_files, scan
 from hp_dcp_hf.storage.header import TensorEntry
 from hp_dcp_hf.storage.location import CheckpointLocation, RangeFile, filesystem, locate
@@ -180,9 +181,13 @@ class HFStorageReader(StorageReader):
         retry: RetryPolicy | Mapping[str, Any] | None = None,
         record_requests: bool = False,
         map_local_files: bool = True,
+        replicas: Literal["auto", "always", "never"] = "auto",
         **fs_kwargs: Any,
     ) -> None:
         super().__init__()
+        if replicas not in ("auto", "always", "never"):
+            raise ValueError(f"replicas must be 'auto', 'always' or 'never', got {replicas!r}")
+        self.replicas = replicas
         self.record_requests = record_requests
         self.map_local_files = map_local_files
         self._thread_local = threading.local()
@@ -211,6 +216,8 @@ class HFStorageReader(StorageReader):
         self.stats = ReadStats()
         self.load_id = str(uuid.uuid4())
         self.metadata_error: Exception | None = None
+        self.cooperating = False
+        self.exchange = ExchangeStats()
         self.requests_log: list[tuple[str, int, int]] = []
         self._location: CheckpointLocation | None = None
 
@@ -296,6 +303,8 @@ class HFStorageReader(StorageReader):
             catalog = self._scan()
         # The files' versions travel with the headers: every rank's reads are checked against them.
         self._location = CheckpointLocation(self._fs, catalog.root, catalog.versions)
+        self.cooperating = should_broadcast() and (
+            self.replicas == "always" or (self.replicas == "auto" and not self._location.backend.mappable))
         self.entries = dict(catalog.entries)
         state_dict_metadata: dict[str, Any] = {}
         storage_data: dict[MetadataIndex, TensorEntry] = {}
@@ -311,7 +320,8 @@ class HFStorageReader(StorageReader):
         return Metadata(
             state_dict_metadata=state_dict_metadata,
             # The planner needs it to read quantized tensors as their values (see mapping.quantized).
-            planner_data={QUANTIZATION_CONFIG: catalog.quantization_config},
+            # Whether replicas split their reads (the planner then plans one slice of each).
+            planner_data={QUANTIZATION_CONFIG: catalog.quantization_config, COOPERATE: self.cooperating},
             storage_data=storage_data,
             storage_meta=StorageMeta(checkpoint_id=self.path, load_id=self.load_id),
         )
@@ -333,7 +343,35 @@ class HFStorageReader(StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Read every item of ``plan`` into ``planner.resolve_tensor(item)``, then commit it."""
         with paused_gc():
-            return self._read_data(plan, planner)
+            if not self.cooperating:
+                return self._read_data(plan, planner)
+            return self._read_cooperatively(plan, planner)
+
+    def _read_cooperatively(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Read this rank's slices, then, once every rank read its own, exchange them with the
+        replicas (:mod:`hp_dcp_hf.parallel.cooperation`). Every rank raises the same error when one
+        fails, marked ``agreed`` (no rank needs to agree on it again)."""
+        error: BaseException | None = None
+        try:
+            self._read_data(plan, planner).wait()
+        except Exception as e:  # noqa: BLE001 - every rank learns of it below
+            error = e
+        error = agree_on_failure(error)
+        shared = getattr(planner, "shared", ())
+        if error is None:
+            try:
+                self.exchange = share_slices(shared, self.staging_bytes)
+            except HPDCPHFError as e:
+                error = e
+            touched = getattr(planner, "touched_targets", None)
+            if touched is not None:
+                touched.update(t.key for t in shared)
+        if error is not None:
+            error.agreed = True  # type: ignore[attr-defined]
+            raise error
+        future: Future[None] = Future()
+        future.set_result(None)
+        return future
 
     def _read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         if self._location is None:

@@ -1,0 +1,130 @@
+"""Cooperative loads on 4 gloo ranks: replicas read each shared byte once and send each other their
+slices; the parameters are bit-identical to the direct load and to transformers.
+
+Layouts: ``dp=2,tp=2`` (FSDP2 over TP: ``_StridedShard`` weights are unique to a rank, the norms
+are replicated over ``tp``), ``dp_replicate=2,tp=2`` (HSDP: two replicas of every TP shard, the
+norms on all four ranks) and the MoE with rewrites. Over the ranks, the bytes read from storage
+equal the checkpoint's tensor bytes exactly (``coalesce_gap=0``: each needed byte once; every
+tensor is needed); each rank receives exactly the slices it planned not to read. A rank failing
+mid-read or mid-exchange makes every rank raise the same typed error.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from hp_dcp_hf.launch import run_ranks
+from tests.models import load_reference
+
+CASES = {  # name -> (checkpoint, transforms, mesh)
+    "llama-fsdp-tp": ("llama", (), "dp=2,tp=2"),
+    "llama-hsdp": ("llama", (), "dp_replicate=2,tp=2"),
+    "mixtral-hsdp-rewritten": ("mixtral", ("fuse_qkv", "grouped_gemm_experts"), "dp_replicate=2,tp=2"),
+}
+
+
+def _load(rank: int, world: int, paths: dict[str, str]) -> dict:
+    from torch.distributed.tensor import DTensor
+
+    from hp_dcp_hf import HFStorageReader
+    from hp_dcp_hf.pipeline import from_pretrained
+
+    out = {}
+    for name, (checkpoint, transforms, mesh) in CASES.items():
+        states, stats = {}, {}
+        for mode in ("never", "always"):
+            reader = HFStorageReader(paths[checkpoint], replicas=mode, coalesce_gap=0)
+            model, report = from_pretrained(paths[checkpoint], distributed_config=mesh, transforms=transforms,
+                                            reader=reader)
+            states[mode] = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
+            stats[mode] = {"read": reader.stats.total().bytes_read, "cooperating": reader.cooperating,
+                           "received": reader.exchange.bytes_received, "sent": reader.exchange.bytes_sent,
+                           "planned_in": report.plan.peer_bytes_in, "planned_out": report.plan.peer_bytes_out,
+                           "shared": report.plan.shared_targets}
+        out[name] = {"stats": stats, "same": all(torch.equal(states["never"][k], v) for k, v in states["always"].items()),
+                     "state": states["always"] if rank == 0 else None}
+    out["failures"] = _failures(rank, paths["llama"])
+    return out
+
+
+def _failures(rank: int, path: str) -> dict[str, str]:
+    """Rank 2's read fails, then rank 1's exchange: what every rank raises."""
+    from hp_dcp_hf import HFStorageReader
+    from hp_dcp_hf.errors import StorageReadError
+    from hp_dcp_hf.parallel import cooperation
+    from hp_dcp_hf.pipeline import from_pretrained
+
+    def read_fails(self, plan, planner):
+        raise StorageReadError("injected read failure", file="model.safetensors")
+
+    def take_fails(self, nbytes):
+        raise RuntimeError("injected exchange failure")
+
+    outcomes = {}
+    for name, rank_failing, cls, method, broken in (
+        ("read", 2, HFStorageReader, "_read_data", read_fails),
+        ("exchange", 1, cooperation._Stream, "take", take_fails),
+    ):
+        real = getattr(cls, method)
+        if rank == rank_failing:
+            setattr(cls, method, broken)
+        try:
+            from_pretrained(path, distributed_config="dp_replicate=2,tp=2", reader=HFStorageReader(path, replicas="always"))
+            outcomes[name] = "loaded"
+        except Exception as e:  # noqa: BLE001 - the test checks the type
+            outcomes[name] = f"{type(e).__name__}: {e}"
+        finally:
+            setattr(cls, method, real)
+    return outcomes
+
+
+@pytest.fixture(scope="module")
+def run(tiny_checkpoints):
+    llama = tiny_checkpoints("llama", torch.bfloat16, intermediate_size=42)
+    mixtral = tiny_checkpoints("mixtral", torch.bfloat16, intermediate_size=48)
+    paths = {"llama": str(llama.path), "mixtral": str(mixtral.path)}
+    per_rank = run_ranks(4, _load, paths, timeout=400)
+    return per_rank, paths
+
+
+def _tensor_bytes(path: str) -> int:
+    from safetensors import safe_open
+
+    total = 0
+    for file in Path(path).glob("*.safetensors"):
+        with safe_open(file, "pt") as f:
+            total += sum(f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in f.keys())  # noqa: SIM118
+    return total
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_replicas_read_each_byte_once_and_load_the_same_values(run, case):
+    per_rank, paths = run
+    checkpoint = CASES[case][0]
+    results = [r[case] for r in per_rank]
+    assert all(r["same"] for r in results)  # bit-identical to the direct load on every rank
+    reference = load_reference(paths[checkpoint], checkpoint, torch.float32)
+    state = results[0]["state"]
+    compared = [key for key in state if key in reference]  # rewritten ones: equal to the direct load above
+    assert len(compared) >= len(state) // 2
+    for key in compared:
+        assert torch.equal(state[key], reference[key]), key
+    direct = [r["stats"]["never"] for r in results]
+    shared = [r["stats"]["always"] for r in results]
+    assert not any(s["cooperating"] for s in direct) and all(s["cooperating"] for s in shared)
+    assert sum(s["read"] for s in shared) == _tensor_bytes(paths[checkpoint])  # each byte once
+    assert sum(s["read"] for s in direct) > sum(s["read"] for s in shared)
+    for s in shared:  # each rank receives exactly the slices it did not read, and sends its own
+        assert s["shared"] > 0 and s["received"] == s["planned_in"] and s["sent"] == s["planned_out"]
+    assert sum(s["sent"] for s in shared) == sum(s["received"] for s in shared)
+
+
+def test_a_rank_failing_mid_read_or_mid_exchange_fails_every_rank_with_its_error(run):
+    per_rank, _ = run
+    outcomes = [r["failures"] for r in per_rank]
+    assert all(o["read"].startswith("StorageReadError") and "injected read failure" in o["read"] for o in outcomes)
+    assert all(o["exchange"].startswith("StorageReadError") and "injected exchange failure" in o["exchange"]
+               for o in outcomes), outcomes
