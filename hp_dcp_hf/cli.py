@@ -48,7 +48,7 @@ def _transforms(spec: str | None) -> tuple[str, ...]:
 
 def _reader_options(args: argparse.Namespace) -> dict[str, Any]:
     return {"coalesce_gap": args.coalesce_gap, "num_threads": args.threads, "staging_bytes": args.staging_mib * 2**20,
-            "map_local_files": not args.no_map}
+            "map_local_files": not args.no_map, "replicas": args.replicas}
 
 
 # -- inspect -----------------------------------------------------------------------------------
@@ -118,13 +118,23 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"  quantized checkpoint ({result['quantization']}): read as values, weight boxes with their scale blocks")
         rows = [(*row, fmt_bytes(r.quantized_bytes), fmt_bytes(r.scale_bytes)) for row, r in zip(rows, ranks)]
         header = (*header, "quantized", "scales")
+    if result["cooperative"]:
+        rows = [(*row, fmt_bytes(r.bytes_from_peers), fmt_bytes(r.bytes_to_peers)) for row, r in zip(rows, ranks)]
+        header = (*header, "from peers", "to peers")
     print(table(header, rows))
     total = sum(r.bytes_to_read for r in ranks)
     needed = sum(r.bytes_needed for r in ranks)
     checkpoint = max(1, result["checkpoint_bytes"])
     print(f"all ranks read {fmt_bytes(total)} of a {fmt_bytes(result['checkpoint_bytes'])} checkpoint "
-          f"({total / checkpoint:.2f}x): replicas read the same shards ({needed / checkpoint:.2f}x, "
-          f"{fmt_bytes(needed)} needed by the ranks' shards), coalescing adds {fmt_bytes(total - needed)} of holes")
+          f"({total / checkpoint:.2f}x, {fmt_bytes(needed)} needed by the ranks' shards, coalescing adds "
+          f"{fmt_bytes(total - needed)} of holes)")
+    if result["cooperative"]:
+        exchanged = sum(r.bytes_from_peers for r in ranks)
+        print(f"replicas read their shared shards once and exchange {fmt_bytes(exchanged)} "
+              f"({exchanged / checkpoint:.2f}x the checkpoint) over the process group")
+    else:
+        print(f"replicas read the same shards ({needed / checkpoint:.2f}x the checkpoint); --replicas always "
+              "splits them (the default, auto, does on remote stores)")
     if args.items:
         for r in ranks:
             print(f"rank {r.rank} read items:")
@@ -330,6 +340,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="reader: read local files with preadv instead of copying out of a memory mapping")
         p.add_argument("--threads", type=int, default=8, help="reader: reads in flight")
         p.add_argument("--staging-mib", type=int, default=64, help="reader: staging budget in MiB")
+        p.add_argument("--replicas", default="auto", choices=("auto", "always", "never"),
+                       help="reader: replicas split their reads and exchange the slices (auto: on remote stores)")
         p.add_argument("--json", action="store_true", help=json_help)
 
     p = command("plan", "every rank's reads, without a process group or data")

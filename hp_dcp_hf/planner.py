@@ -127,6 +127,8 @@ class HFMappingPlanner(LoadPlanner):
         claimed_source_keys: checkpoint keys another reader consumes (never unexpected).
         composition: the mapping traced already for this model and checkpoint (one process planning
             many ranks of the same model traces it once); by default each plan traces its own.
+        replicas: which ranks hold the same values, for cooperative loads (one process planning
+            many ranks gives each its own); by default the ranks tell each other, collectively.
         trace: read exactly the needed boxes (default). ``False`` is the legacy pattern: read whole
             checkpoint tensors, convert in memory, keep the local part; the reference to compare with.
     """
@@ -141,8 +143,10 @@ class HFMappingPlanner(LoadPlanner):
         claimed_source_keys: Collection[str] = (),
         trace: bool = True,
         composition: Composition | None = None,
+        replicas: ReplicaGroups | None = None,
     ) -> None:
         self.model = model
+        self.replicas = replicas
         self.trace = trace
         self.weights_mapping = weights_mapping
         self.strict = strict
@@ -239,7 +243,9 @@ class HFMappingPlanner(LoadPlanner):
         """Validate everything and return this rank's ReadItems (no byte is read or written)."""
         planner_data = metadata.planner_data if isinstance(metadata.planner_data, Mapping) else {}
         # Collective (cooperative loads): first, before any check that may fail on one rank alone.
-        replicas = ReplicaGroups(list(state_dict.values())) if planner_data.get(COOPERATE) else None
+        replicas = None
+        if planner_data.get(COOPERATE):
+            replicas = self.replicas or ReplicaGroups.gather(list(state_dict.values()))
         stored = {
             key: TensorSpec(tuple(md.size), md.properties.dtype)
             for key, md in metadata.state_dict_metadata.items()

@@ -160,7 +160,7 @@ class HFSavePlanner(SavePlanner):
         items: list[WriteItem] = []
         self._views.clear()
         self.bytes_planned = 0
-        replicas = ReplicaGroups([state_dict[target] for target in fill])
+        replicas = ReplicaGroups.gather([state_dict[target] for target in fill])
         for ordinal, target in enumerate(fill):
             tensor = state_dict[target]
             if not replicas.writes(tensor, ordinal, target):

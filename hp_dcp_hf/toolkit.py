@@ -20,14 +20,17 @@ import sys
 import threading
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from hp_dcp_hf.errors import QuantizationError
+from hp_dcp_hf.parallel.cooperation import COOPERATE
 from hp_dcp_hf.parallel.mesh import mesh_world_size, parse_mesh
+from hp_dcp_hf.parallel.replicas import ReplicaGroups, mesh_coordinates
 from hp_dcp_hf.storage import INDEX_FILE, HFStorageReader, ReadStats, filesystem, locate, scan
 from hp_dcp_hf.storage.catalog import QUANTIZATION_CONFIG, Catalog
 from hp_dcp_hf.storage.stats import FileStats
@@ -188,6 +191,8 @@ class RankPlan:
     deferred_bytes: int = 0
     quantized_bytes: int = 0
     scale_bytes: int = 0
+    bytes_from_peers: int = 0
+    bytes_to_peers: int = 0
     files: dict[str, dict[str, int]] = field(default_factory=dict)
     items: list[dict[str, Any]] = field(default_factory=list)
     reads: list[tuple[str, int, int]] = field(default_factory=list)
@@ -228,13 +233,7 @@ def plan_ranks(
     """
     import torch.distributed as dist
 
-    from hp_dcp_hf.pipeline import (
-        apply_transforms,
-        build_skeleton,
-        checkpoint_mapping,
-        read_config,
-        resolve_model_class,
-    )
+    from hp_dcp_hf.pipeline import read_config, resolve_model_class
     from hp_dcp_hf.planner import HFMappingPlanner
 
     if dist.is_initialized():
@@ -247,23 +246,25 @@ def plan_ranks(
     metadata = reader.read_metadata()
     config = read_config(path, reader.storage_options)
     model_cls = resolve_model_class(config)
+    cooperate = reader.cooperates(world)
+    every = None
+    if cooperate:  # the replicas split their reads: every rank's mesh coordinates first
+        metadata.planner_data[COOPERATE] = True
+        every = []
+        for rank in range(world):
+            with _fake_rank(rank, world):
+                model = _rank_model(sizes, config, model_cls, dtype, transforms)[0]
+                every.append(mesh_coordinates(list(model.state_dict().values())))
     ranks: list[RankPlan] = []
     layout: list[str] = []
     for rank in range(world):
-        dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=world)
-        try:
-            parallelize = parallelize_for(sizes)
-            model = build_skeleton(config, model_cls, dtype=dtype)
-            mapping = checkpoint_mapping(model)
-            model = apply_transforms(model, transforms)
-            model = parallelize(model)
-            planner = HFMappingPlanner(model, weights_mapping=mapping, strict=strict)
+        with _fake_rank(rank, world):
+            model, mapping, parallelize = _rank_model(sizes, config, model_cls, dtype, transforms)
+            replicas = ReplicaGroups(rank, world, every) if every is not None else None
+            planner = HFMappingPlanner(model, weights_mapping=mapping, strict=strict, replicas=replicas)
             items = planner.plan_reads(model.state_dict(), metadata)
             coordinate = parallelize.coordinate
             layout = parallelize.describe()
-        finally:
-            dist.destroy_process_group()
-            _clear_sharding_caches()
         requests = reader.plan_requests(items)
         plan = RankPlan(
             rank, coordinate,
@@ -274,6 +275,7 @@ def plan_ranks(
             requests=len(requests),
             deferred_targets=planner.stats.deferred_targets, deferred_bytes=planner.stats.deferred_bytes,
             quantized_bytes=planner.stats.quantized_bytes, scale_bytes=planner.stats.scale_bytes,
+            bytes_from_peers=planner.stats.peer_bytes_in, bytes_to_peers=planner.stats.peer_bytes_out,
             reads=[(f, r.start, r.end) for f, r in requests],
         )
         per_file: dict[str, dict[str, int]] = defaultdict(lambda: {"bytes": 0, "requests": 0})
@@ -296,8 +298,34 @@ def plan_ranks(
         "layout": layout,
         "checkpoint_bytes": checkpoint_bytes,
         "quantization": _quantization(metadata.planner_data.get(QUANTIZATION_CONFIG)),
+        "cooperative": cooperate,
         "ranks": ranks,
     }
+
+
+@contextmanager
+def _fake_rank(rank: int, world: int) -> Iterator[None]:
+    """Rank ``rank`` of ``world`` under torch's ``fake`` process group (no communication)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        _clear_sharding_caches()
+
+
+def _rank_model(sizes: Mapping[str, int], config: Any, model_cls: type, dtype: torch.dtype,
+                transforms: Sequence[str]):
+    """This (fake) rank's model on the meta device, laid out over ``sizes``, with its checkpoint
+    mapping and parallelizer."""
+    from hp_dcp_hf.pipeline import apply_transforms, build_skeleton, checkpoint_mapping
+
+    parallelize = parallelize_for(sizes)
+    model = build_skeleton(config, model_cls, dtype=dtype)
+    mapping = checkpoint_mapping(model)
+    return parallelize(apply_transforms(model, transforms)), mapping, parallelize
 
 
 def _quantization(quantization_config: Mapping[str, Any] | None) -> str | None:

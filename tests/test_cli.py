@@ -283,8 +283,8 @@ def test_plan_closing_note_names_coalescing_holes(capsys, llama):
     ranks = json.loads(out_json)["ranks"]
     holes = sum(r["bytes_to_read"] - r["bytes_needed"] for r in ranks)
     assert holes > 0
-    note = out.strip().splitlines()[-1]
-    assert note.startswith("all ranks read ") and "replicas read the same shards (" in note
+    note, replicas = out.strip().splitlines()[-2:]
+    assert note.startswith("all ranks read ") and replicas.startswith("replicas read the same shards (")
     assert f"coalescing adds {fmt_bytes(holes)} of holes" in note, note
 
 
@@ -411,3 +411,21 @@ def test_load_mesh_larger_than_the_launch_names_torchrun_once(capsys, llama, mon
     assert err.count("\n") == 1 and err.count("torchrun") == 1, err
     assert f"launched; launch with `torchrun --nproc-per-node 4 -m hp_dcp_hf load {llama.path} --mesh dp=2,tp=2`" in err
     assert ("1 process was launched" if world is None else "2 processes were launched") in err
+
+
+def test_plan_with_cooperating_replicas_reads_the_checkpoint_once(capsys, llama):
+    """HSDP: two replicas of every TP shard; cooperating, the ranks read each byte once between them
+    and each receives what its replicas read of its shards."""
+    args = ("plan", str(llama.path), "--mesh", "dp_replicate=2,tp=2", "--replicas")
+    _, direct, _ = _run_cli(capsys, *args, "never", "--json")
+    code, shared, err = _run_cli(capsys, *args, "always", "--json")
+    assert code == 0, err
+    direct, shared = json.loads(direct), json.loads(shared)
+    assert not direct["cooperative"] and shared["cooperative"]
+    checkpoint = shared["checkpoint_bytes"]
+    assert sum(r["bytes_to_read"] for r in direct["ranks"]) >= 2 * checkpoint
+    assert sum(r["bytes_to_read"] for r in shared["ranks"]) == checkpoint
+    assert sum(r["bytes_from_peers"] for r in shared["ranks"]) == sum(r["bytes_to_peers"] for r in shared["ranks"]) > 0
+    code, out, err = _run_cli(capsys, *args, "always")
+    assert code == 0, err
+    assert "from peers" in out and "replicas read their shared shards once and exchange" in out

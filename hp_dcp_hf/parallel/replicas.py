@@ -11,7 +11,8 @@ cooperative load reads each replicated byte once.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -27,24 +28,38 @@ def _mesh_kind(tensor: DTensor) -> MeshKind:
     return mesh.mesh_dim_names, tuple(mesh.shape)
 
 
-class ReplicaGroups:
-    """The replicas of ``tensors`` (see the module docstring); every rank builds it, collectively."""
+def mesh_coordinates(tensors: Sequence[torch.Tensor]) -> dict[MeshKind, tuple[int, ...] | None]:
+    """This rank's coordinate on each kind of mesh its DTensors live on (what ranks exchange)."""
+    return {_mesh_kind(t): _coordinate(t) for t in tensors if isinstance(t, DTensor)}
 
-    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
-        kinds = {_mesh_kind(t): t.device_mesh.get_coordinate() for t in tensors if isinstance(t, DTensor)}
-        self.distributed = dist.is_available() and dist.is_initialized()
-        self.rank = dist.get_rank() if self.distributed else 0
-        self.world = dist.get_world_size() if self.distributed else 1
-        every = [kinds]
-        if self.distributed:
-            every = [None] * self.world
-            dist.all_gather_object(every, {k: tuple(c) if c is not None else None for k, c in kinds.items()})
+
+def _coordinate(tensor: DTensor) -> tuple[int, ...] | None:
+    coordinate = tensor.device_mesh.get_coordinate()
+    return tuple(coordinate) if coordinate is not None else None
+
+
+class ReplicaGroups:
+    """The replicas of the tensors of ``world`` ranks (see the module docstring), from every rank's
+    :func:`mesh_coordinates` (``every[r]``); this rank is ``rank``. :meth:`gather` builds it."""
+
+    def __init__(self, rank: int, world: int, every: Sequence[Mapping[MeshKind, tuple[int, ...] | None]]) -> None:
+        self.rank, self.world = rank, world
         # kind -> coordinate -> the ranks holding it, in rank order
         self.holders: dict[MeshKind, dict[tuple[int, ...], list[int]]] = {}
-        for rank, rank_kinds in enumerate(every):
-            for kind, coordinate in rank_kinds.items():
+        for other, kinds in enumerate(every):
+            for kind, coordinate in kinds.items():
                 if coordinate is not None:
-                    self.holders.setdefault(kind, {}).setdefault(tuple(coordinate), []).append(rank)
+                    self.holders.setdefault(kind, {}).setdefault(tuple(coordinate), []).append(other)
+
+    @classmethod
+    def gather(cls, tensors: Sequence[torch.Tensor]) -> ReplicaGroups:
+        """Every rank's coordinates, collectively (one ``all_gather_object``; none outside a process group)."""
+        mine = mesh_coordinates(tensors)
+        if not (dist.is_available() and dist.is_initialized()):
+            return cls(0, 1, [mine])
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        return cls(dist.get_rank(), dist.get_world_size(), every)
 
     def group(self, tensor: torch.Tensor) -> tuple[int, ...]:
         """The ranks holding this rank's local values of ``tensor``, this one included, in rank

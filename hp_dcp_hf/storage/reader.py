@@ -26,6 +26,7 @@ from functools import cached_property
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
@@ -146,17 +147,23 @@ class HFStorageReader(StorageReader):
     files (bytes read = bytes needed) and 1 MiB on remote stores, where a request costs a round
     trip (``REMOTE_COALESCE_GAP``; pass 0 to fetch needed bytes only). ``num_threads``: reads
     in flight (on remote stores: requests in flight, those of one batch too; a batch there is at
-    least 8 MiB whatever the thread count, so GETs do not shrink as threads grow). ``staging_bytes``: the most memory reads in flight may hold for staging, or keep
-    mapped (a part's span in the file, holes included, counts); a larger tensor is read a block of
-    rows at a time. ``broadcast_metadata``: in a process group, rank 0
-    alone reads the headers and broadcasts them (every rank must then call ``read_metadata``,
-    which ``dcp.load`` does). ``retry``: the :class:`~hp_dcp_hf.storage.remote.RetryPolicy` of
-    remote reads, or a dict of its fields. ``record_requests``: keep every request issued in
-    ``requests_log`` as ``(file, start, end)`` (for pictures of a plan; off by default).
-    ``map_local_files``: copy boxes out of a memory mapping of local files (the fast path, and
-    ``coalesce_gap`` does not apply: only needed bytes are copied); ``False`` reads them with
-    ``os.preadv`` instead, which is slower on row-sharded layouts but turns a disk error or a file
-    truncated during the read into :class:`StorageReadError` where a mapping gets SIGBUS.
+    least 8 MiB whatever the thread count, so GETs do not shrink as threads grow).
+    ``staging_bytes``: the most memory reads in flight may hold for staging, or keep mapped (a
+    part's span in the file, holes included, counts); a larger tensor is read a block of rows at a
+    time. ``broadcast_metadata``: in a process group, rank 0 alone reads the headers and broadcasts
+    them (every rank must then call ``read_metadata``, which ``dcp.load`` does). ``retry``: the
+    :class:`~hp_dcp_hf.storage.remote.RetryPolicy` of remote reads, or a dict of its fields.
+    ``record_requests``: keep every request issued in ``requests_log`` as ``(file, start, end)``
+    (for pictures of a plan; off by default). ``replicas``: ranks holding the same values (HSDP and
+    data-parallel copies, ``Replicate`` norms and embeddings) split their reads and send each other
+    the slices (:mod:`hp_dcp_hf.parallel.cooperation`; :class:`~hp_dcp_hf.HFMappingPlanner` plans
+    the slices, other planners read everything): ``"always"``, ``"never"``, or ``"auto"`` (the
+    default), on remote stores only, where every byte read costs egress, requests and server load,
+    while local reads cost less than the exchange. ``map_local_files``: copy boxes out of a memory
+    mapping of local files (the fast path, and ``coalesce_gap`` does not apply: only needed bytes
+    are copied); ``False`` reads them with ``os.preadv`` instead, which is slower on row-sharded
+    layouts but turns a disk error or a file truncated during the read into
+    :class:`StorageReadError` where a mapping gets SIGBUS.
 
     Remote paths: ``s3://bucket/prefix`` (and other fsspec URLs), ``http(s)://`` directories that
     serve ``model.safetensors.index.json`` (or one ``.safetensors`` file), ``hf://org/repo[@rev]
@@ -260,6 +267,13 @@ class HFStorageReader(StorageReader):
         """Batches read at once: as many as ``staging_bytes`` holds, at most ``num_threads``."""
         return max(1, min(self.num_threads, self.staging_bytes // self._batch_bytes))
 
+    def cooperates(self, world_size: int) -> bool:
+        """Whether replicas split their reads in a load on ``world_size`` ranks: with
+        ``replicas="auto"``, on remote stores only (local reads cost less than the exchange)."""
+        if world_size < 2 or self.replicas == "never" or self._location is None:
+            return False
+        return self.replicas == "always" or not self._location.backend.local
+
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         """True when ``checkpoint_id`` is a safetensors file or a directory holding them."""
@@ -303,8 +317,7 @@ class HFStorageReader(StorageReader):
             catalog = self._scan()
         # The files' versions travel with the headers: every rank's reads are checked against them.
         self._location = CheckpointLocation(self._fs, catalog.root, catalog.versions)
-        self.cooperating = should_broadcast() and (
-            self.replicas == "always" or (self.replicas == "auto" and not self._location.backend.mappable))
+        self.cooperating = self.cooperates(dist.get_world_size() if should_broadcast() else 1)
         self.entries = dict(catalog.entries)
         state_dict_metadata: dict[str, Any] = {}
         storage_data: dict[MetadataIndex, TensorEntry] = {}

@@ -46,7 +46,28 @@ def _load(rank: int, world: int, paths: dict[str, str]) -> dict:
                            "shared": report.plan.shared_targets}
         out[name] = {"stats": stats, "same": all(torch.equal(states["never"][k], v) for k, v in states["always"].items()),
                      "state": states["always"] if rank == 0 else None}
+    out["remote"] = _remote(rank, paths)
     out["failures"] = _failures(rank, paths["llama"])
+    return out
+
+
+def _remote(rank: int, paths: dict[str, str]) -> dict:
+    """The HSDP llama from S3 and HTTP with the default ``replicas="auto"``: cooperative there."""
+    from torch.distributed.tensor import DTensor
+
+    from hp_dcp_hf import HFStorageReader
+    from hp_dcp_hf.pipeline import from_pretrained
+
+    out = {}
+    for name, options in (("s3", {"storage_options": {**paths["s3_options"], "config_kwargs": {
+                               "user_agent_extra": f"rank/{rank}"}}}),
+                          ("http", {"headers": {"User-Agent": f"rank/{rank}"}})):
+        reader = HFStorageReader(paths[name], coalesce_gap=0, **options)
+        model, _ = from_pretrained(paths[name], distributed_config="dp_replicate=2,tp=2", reader=reader)
+        total = reader.stats.total()
+        state = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}  # collective
+        out[name] = {"cooperating": reader.cooperating, "read": total.bytes_read,
+                     "requests": total.requests, "state": state if rank == 0 else None}
     return out
 
 
@@ -82,12 +103,27 @@ def _failures(rank: int, path: str) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def run(tiny_checkpoints):
+def run(tiny_checkpoints, tmp_path_factory):
+    from tests.servers.range_server import StaticRangeServer
+    from tests.servers.s3 import MotoS3
+
     llama = tiny_checkpoints("llama", torch.bfloat16, intermediate_size=42)
     mixtral = tiny_checkpoints("mixtral", torch.bfloat16, intermediate_size=48)
-    paths = {"llama": str(llama.path), "mixtral": str(mixtral.path)}
-    per_rank = run_ranks(4, _load, paths, timeout=400)
-    return per_rank, paths
+    moto = MotoS3(tmp_path_factory.mktemp("moto") / "recording.jsonl")
+    http = StaticRangeServer(llama.path)
+    try:
+        moto.create_bucket("cooperation")
+        moto.upload_dir(llama.path, "cooperation", "llama")
+        paths = {"llama": str(llama.path), "mixtral": str(mixtral.path), "s3": "s3://cooperation/llama",
+                 "s3_options": moto.storage_options(), "http": http.url}
+        moto.start_recording()
+        per_rank = run_ranks(4, _load, paths, timeout=400)
+        moto.stop_recording()
+        logs = {"s3": moto.recording(), "http": list(http.log)}
+    finally:
+        moto.stop()
+        http.stop()
+    return per_rank, paths, logs
 
 
 def _tensor_bytes(path: str) -> int:
@@ -102,7 +138,7 @@ def _tensor_bytes(path: str) -> int:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_replicas_read_each_byte_once_and_load_the_same_values(run, case):
-    per_rank, paths = run
+    per_rank, paths, _ = run
     checkpoint = CASES[case][0]
     results = [r[case] for r in per_rank]
     assert all(r["same"] for r in results)  # bit-identical to the direct load on every rank
@@ -122,8 +158,33 @@ def test_replicas_read_each_byte_once_and_load_the_same_values(run, case):
     assert sum(s["sent"] for s in shared) == sum(s["received"] for s in shared)
 
 
+@pytest.mark.parametrize("store", ["s3", "http"])
+def test_remote_servers_serve_each_needed_byte_once(run, store):
+    """From the servers' own logs: the GETs of tensor data (those past each file's header) add up to
+    the checkpoint's tensor bytes once, and the loads equal transformers'."""
+    per_rank, paths, logs = run
+    results = [r["remote"][store] for r in per_rank]
+    assert all(r["cooperating"] for r in results)
+    data_start = {f"/{f.name}": 8 + int.from_bytes(f.read_bytes()[:8], "little")
+                  for f in Path(paths["llama"]).glob("*.safetensors")}
+    if store == "s3":
+        spans = [(r.path.rsplit("/", 1)[-1], int(r.range.split("=")[1].split("-")[0]), r.nbytes)
+                 for r in logs["s3"] if r.method == "GET" and r.path.endswith(".safetensors")]
+    else:
+        spans = [(r.path.rsplit("/", 1)[-1], r.span[0], r.body_bytes)
+                 for r in logs["http"] if r.method == "GET" and r.path.endswith(".safetensors")]
+    data = [nbytes for file, start, nbytes in spans if start >= data_start[f"/{file}"]]  # not header reads
+    tensor_bytes = _tensor_bytes(paths["llama"])
+    assert sum(r["read"] for r in results) == tensor_bytes  # each byte once over the cluster
+    assert sum(data) == tensor_bytes  # the server agrees
+    assert len(data) == sum(r["requests"] for r in results)
+    reference = load_reference(paths["llama"], "llama", torch.float32)
+    for key, value in results[0]["state"].items():
+        assert torch.equal(value, reference[key]), key
+
+
 def test_a_rank_failing_mid_read_or_mid_exchange_fails_every_rank_with_its_error(run):
-    per_rank, _ = run
+    per_rank, _, _ = run
     outcomes = [r["failures"] for r in per_rank]
     assert all(o["read"].startswith("StorageReadError") and "injected read failure" in o["read"] for o in outcomes)
     assert all(o["exchange"].startswith("StorageReadError") and "injected exchange failure" in o["exchange"]
