@@ -36,7 +36,7 @@ from hp_dcp_hf.mapping.quantized import (
     uncovered_weight_boxes,
 )
 from hp_dcp_hf.mapping.stages import model_stages, recorded_source_shapes
-from hp_dcp_hf.parallel.cooperation import COOPERATE, SharedTarget, restrict_rows
+from hp_dcp_hf.parallel.cooperation import COOPERATE, ReadProgress, SharedTarget
 from hp_dcp_hf.parallel.replicas import ReplicaGroups
 from hp_dcp_hf.perf import paused_gc
 from hp_dcp_hf.storage.catalog import QUANTIZATION_CONFIG
@@ -158,6 +158,7 @@ class HFMappingPlanner(LoadPlanner):
         self.filled: tuple[str, ...] = ()  # the state dict keys written (one per tied group)
         self.quantized: dict[str, QuantizedTensor] = {}  # quantized checkpoint tensors read as values
         self.shared: list[SharedTarget] = []  # cooperative loads: targets whose replicas split the reads
+        self.progress = ReadProgress()  # which shared targets the reads made final (the exchange sends them)
         self._destinations: dict[ReadItem, LocalView] = {}
         self._dequantizations: dict[ReadItem, _Dequantization] = {}
         self._staging: dict[str, torch.Tensor] = {}
@@ -221,6 +222,7 @@ class HFMappingPlanner(LoadPlanner):
         if staging_key == read_item.dest_index.fqn:
             with self._lock:
                 self.touched_targets.add(read_item.dest_index.fqn)
+            self.progress.complete(read_item.dest_index.fqn)
             return
         self._staged(staging_key)
 
@@ -362,6 +364,7 @@ class HFMappingPlanner(LoadPlanner):
         source_ndim = {key: len(spec.shape) for key, spec in sources.items()}
         stats = PlanStats()
         self.shared = []
+        self.progress = ReadProgress()
         for target in _sorted(fill):
             tensor = state_dict[target]
             pieces = local_shard_pieces(tensor, key=target)
@@ -390,6 +393,7 @@ class HFMappingPlanner(LoadPlanner):
                         stats.bytes_by_key[part] = stats.bytes_by_key.get(part, 0) + nbytes
                 continue
             local = local_tensor(tensor)
+            first_item = len(items)
             for piece in pieces:
                 for block in read_blocks(traced, piece.global_box, piece.local_offsets, source_ndim):
                     if block.key in self.quantized:
@@ -410,6 +414,10 @@ class HFMappingPlanner(LoadPlanner):
                     items.append(item)
                     nbytes = block.numel * stored[block.key].dtype.itemsize
                     stats.bytes_by_key[block.key] = stats.bytes_by_key.get(block.key, 0) + nbytes
+            if self.shared and self.shared[-1].key == target:  # final after each of its items, or dequantizations
+                made = items[first_item:]
+                self.progress.expect(target, sum(i in self._destinations for i in made)
+                                     + len({id(self._dequantizations[i]) for i in made if i in self._dequantizations}))
         stats.read_items = len(items)
         stats.bytes_needed = sum(stats.bytes_by_key.values())
         self.stats = stats
@@ -423,7 +431,7 @@ class HFMappingPlanner(LoadPlanner):
         """The pieces this rank reads of ``target``: its slice when replicas share the reads."""
         local = local_tensor(tensor)
         group = replicas.group(tensor)
-        if len(group) < 2 or not pieces or not local.is_contiguous():
+        if len(group) < 2 or not pieces or not local.is_contiguous() or local.numel() < len(group):
             return pieces
         shared = SharedTarget(target, local, group)
         self.shared.append(shared)
@@ -431,7 +439,7 @@ class HFMappingPlanner(LoadPlanner):
         stats.shared_targets += 1
         stats.peer_bytes_in += local.numel() * local.element_size() - mine
         stats.peer_bytes_out += mine * (len(group) - 1)
-        return restrict_rows(pieces, *shared.rows(replicas.rank))
+        return shared.restrict(pieces, replicas.rank)
 
     def _dequantization_items(self, target: str, local: torch.Tensor, block: ReadBlock) -> list[ReadItem]:
         """The checkpoint boxes that make ``block`` of a quantized tensor (its quantized bytes
@@ -470,6 +478,8 @@ class HFMappingPlanner(LoadPlanner):
             dequantization.parts.clear()
             if not dequantization.staged:
                 self.touched_targets.add(dequantization.target)
+        if not dequantization.staged:
+            self.progress.complete(dequantization.target)
         if dequantization.staged:
             self._staged(dequantization.target)
 

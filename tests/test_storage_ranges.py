@@ -9,14 +9,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hp_dcp_hf.box import Box, disjoint_cover
+from hp_dcp_hf.box import Box, disjoint_cover, flat_range_boxes
 from hp_dcp_hf.storage.ranges import (
     Piece,
     box_byte_ranges,
     box_span,
     coalesce,
     count_requests,
-    flat_range_boxes,
     split_box,
 )
 

@@ -25,11 +25,11 @@ from typing import Any
 
 import torch
 
-from hp_dcp_hf.box import Box
+from hp_dcp_hf.box import Box, flat_range_boxes
 from hp_dcp_hf.errors import StorageWriteError
 from hp_dcp_hf.storage.catalog import INDEX_FILE
 from hp_dcp_hf.storage.files import SavedFile, SavedTensor
-from hp_dcp_hf.storage.ranges import box_byte_ranges, box_span, flat_range_boxes, split_box
+from hp_dcp_hf.storage.ranges import box_byte_ranges, box_span, split_box
 
 STAGING_PREFIX = ".hp-dcp-hf-staging-"
 SHARD_NAME = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")

@@ -107,34 +107,6 @@ def split_box(box: Box, itemsize: int, max_bytes: int, shape: Sequence[int] | No
     return parts
 
 
-def flat_range_boxes(shape: Sequence[int], start: int, stop: int) -> list[Box]:
-    """The elements at row-major flat indices ``[start, stop)`` of a tensor of ``shape``, as at
-    most ``2 * ndim - 1`` disjoint boxes in flat order: a ragged head row, full rows, a ragged tail.
-
-    The inverse of :func:`box_byte_ranges`: which part of a box falls inside a byte window of the
-    file (a multipart upload's part), without listing the box's rows.
-    """
-    start, stop = max(start, 0), min(stop, math.prod(shape))
-    if start >= stop:
-        return []
-    if not shape:
-        return [Box((), ())]
-    inner = math.prod(shape[1:])
-    first, last = start // inner, (stop - 1) // inner
-    head, tail = start - first * inner, stop - last * inner
-
-    def row(index: int, lo: int, hi: int) -> list[Box]:
-        return [Box((index, *b.offsets), (1, *b.sizes)) for b in flat_range_boxes(shape[1:], lo, hi)]
-
-    if first == last:
-        return row(first, head, tail)
-    boxes = row(first, head, inner) if head else []
-    full_lo, full_hi = first + (head > 0), last + (tail == inner)
-    if full_hi > full_lo:
-        boxes.append(Box((full_lo, *(0,) * (len(shape) - 1)), (full_hi - full_lo, *shape[1:])))
-    return boxes + (row(last, 0, tail) if tail < inner else [])
-
-
 @dataclass(frozen=True)
 class Piece:
     """Bytes ``[start, end)`` of a file, destined for ``owner``'s buffer at byte ``offset``."""

@@ -41,7 +41,7 @@ from torch.futures import Future
 
 from hp_dcp_hf.box import Box
 from hp_dcp_hf.errors import HPDCPHFError, PlanningError, StorageReadError
-from hp_dcp_hf.parallel.cooperation import COOPERATE, ExchangeStats, share_slices
+from hp_dcp_hf.parallel.cooperation import COOPERATE, ExchangeStats, ReadProgress, share_slices
 from hp_dcp_hf.perf import paused_gc
 from hp_dcp_hf.storage.broadcast import agree_on_failure, share_from_rank0, should_broadcast
 from hp_dcp_hf.storage.catalog import QUANTIZATION_CONFIG, Catalog, find_files, scan
@@ -361,24 +361,34 @@ class HFStorageReader(StorageReader):
             return self._read_cooperatively(plan, planner)
 
     def _read_cooperatively(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        """Read this rank's slices, then, once every rank read its own, exchange them with the
-        replicas (:mod:`hp_dcp_hf.parallel.cooperation`). Every rank raises the same error when one
+        """Read this rank's slices while a thread exchanges them with the replicas as they become
+        final (:mod:`hp_dcp_hf.parallel.cooperation`). Every rank raises the same error when one
         fails, marked ``agreed`` (no rank needs to agree on it again)."""
+        shared = getattr(planner, "shared", ())
+        progress = getattr(planner, "progress", None) or ReadProgress()
+        outcome: dict[str, Any] = {}
+
+        def exchange() -> None:
+            try:
+                outcome["stats"] = share_slices(shared, self.staging_bytes, progress)
+            except BaseException as e:  # noqa: BLE001 - agreed on below
+                outcome["error"] = e
+
+        thread = threading.Thread(target=exchange, name="hp-dcp-hf-exchange", daemon=True)
+        thread.start()
         error: BaseException | None = None
         try:
             self._read_data(plan, planner).wait()
         except Exception as e:  # noqa: BLE001 - every rank learns of it below
             error = e
-        error = agree_on_failure(error)
-        shared = getattr(planner, "shared", ())
-        if error is None:
-            try:
-                self.exchange = share_slices(shared, self.staging_bytes)
-            except HPDCPHFError as e:
-                error = e
-            touched = getattr(planner, "touched_targets", None)
-            if touched is not None:
-                touched.update(t.key for t in shared)
+        finally:
+            progress.finish(error)
+            thread.join()
+        error = agree_on_failure(error or outcome.get("error"))
+        self.exchange = outcome.get("stats", ExchangeStats())
+        touched = getattr(planner, "touched_targets", None)
+        if touched is not None:
+            touched.update(t.key for t in shared)
         if error is not None:
             error.agreed = True  # type: ignore[attr-defined]
             raise error

@@ -189,3 +189,43 @@ def test_a_rank_failing_mid_read_or_mid_exchange_fails_every_rank_with_its_error
     assert all(o["read"].startswith("StorageReadError") and "injected read failure" in o["read"] for o in outcomes)
     assert all(o["exchange"].startswith("StorageReadError") and "injected exchange failure" in o["exchange"]
                for o in outcomes), outcomes
+
+
+def _overlap(rank: int, world: int) -> dict:
+    """Two shared tensors; this rank's reads finish ``a`` first and ``b`` only once the replica's
+    slice of ``a`` has arrived: the exchange must send finished tensors while reads go on."""
+    import threading
+    import time
+
+    from hp_dcp_hf.parallel.cooperation import ReadProgress, SharedTarget, share_slices
+
+    tensors = {key: torch.full((6, 5), -1.0) for key in ("a", "b")}
+    targets = [SharedTarget(key, t, (0, 1)) for key, t in tensors.items()]
+    progress = ReadProgress()
+    for target in targets:
+        progress.expect(target.key, 1)
+        target.local.view(-1)[slice(*target.elements(rank))] = rank + (10 if target.key == "b" else 0)
+    outcome = {}
+    thread = threading.Thread(target=lambda: outcome.update(stats=share_slices(targets, 2**20, progress)))
+    thread.start()
+    progress.complete("a")
+    peer = 1 - rank
+    lo, hi = targets[0].elements(peer)
+    deadline = time.monotonic() + 60  # a bound against a hang, not a timing assertion
+    while not bool((tensors["a"].view(-1)[lo:hi] == peer).all()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    a_before_b = bool((tensors["a"].view(-1)[lo:hi] == peer).all())
+    b_untouched = bool((tensors["b"].view(-1)[slice(*targets[1].elements(peer))] == -1).all())
+    progress.complete("b")
+    progress.finish(None)
+    thread.join()
+    return {"a_before_b": a_before_b, "b_untouched_then": b_untouched,
+            "a": tensors["a"].view(-1).tolist(), "b": tensors["b"].view(-1).tolist(),
+            "received": outcome["stats"].bytes_received}
+
+
+def test_the_exchange_sends_what_is_final_while_reads_go_on():
+    for rank, result in enumerate(run_ranks(2, _overlap, timeout=120)):
+        assert result["a_before_b"] and result["b_untouched_then"], rank
+        assert result["a"] == [0.0] * 15 + [1.0] * 15 and result["b"] == [10.0] * 15 + [11.0] * 15
+        assert result["received"] == 2 * 15 * 4  # the replica's halves of a and b, nothing else
