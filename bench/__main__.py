@@ -4,12 +4,14 @@
     python -m bench --size full          # ~2 GB checkpoints (the real run)
     python -m bench --parts loads --worlds 4 --contenders limit,dcp,legacy
     python -m bench --parts remote --size 1GB                # the MoE checkpoint from a local S3 server
+    python -m bench --parts remote --remote-meshes 'dp_replicate=2,tp=2'   # HSDP only
     python -m bench --parts quantized --size full            # FP8 MoE checkpoint (~1 GB) into bf16, 4 ranks
     python -m bench --render bench/results/2025-01-01.json   # re-render a report
 
 Parts: ``loads`` (contenders side by side on 1, 2, 4 ranks), ``real`` (SmolLM2-135M with TP,
 logits checked), ``simulate`` (cluster-scale planning), ``multinode`` (two torchrun launchers),
-``remote`` (the MoE checkpoint from a local SeaweedFS S3 server on 4 ranks, against the boto3 limit and s3fs whole files),
+``remote`` (the MoE checkpoint from a local SeaweedFS S3 server on 4 ranks, dp=2,tp=2 and HSDP, with and without
+cooperative reads, against the boto3 limit and s3fs whole files),
 ``quantized`` (an FP8 block-scaled MoE checkpoint into bf16 on 4 ranks: this project, torch's
 quantized reader, transformers, the raw-read limit).
 """
@@ -63,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     from bench.contenders import CONTENDERS
     from bench.quantized import CONTENDERS as QUANTIZED_CONTENDERS
     from bench.remote import CONTENDERS as REMOTE_CONTENDERS
+    from bench.remote import MESHES as REMOTE_MESHES
 
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
     p.add_argument("--size", default="smoke", help="checkpoint size: smoke (~50 MB), full (~2 GB), or e.g. 500MB")
@@ -86,6 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--real-world", type=int, default=3, help="TP ranks of the SmolLM2 row (9/3 heads: 3)")
     p.add_argument("--remote-contenders", default=",".join(REMOTE_CONTENDERS),
                    help="contenders of the remote part (4 ranks, MoE checkpoint on a local SeaweedFS S3 server)")
+    p.add_argument("--remote-meshes", default=REMOTE_MESHES,
+                   help="layouts of the remote part, ';'-separated; dp_replicate=N adds N HSDP copies")
     p.add_argument("--quantized-contenders", default=",".join(QUANTIZED_CONTENDERS),
                    help="contenders of the quantized part (4 ranks, dp=2,tp=2, FP8 MoE checkpoint into bf16)")
     p.add_argument("--render", default=None, metavar="JSON", help="only re-render an existing results file")
@@ -145,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     settings = {"size": size_tag(size), "worlds": args.worlds, "contenders": args.contenders, "reps": args.reps,
                 "warmup": args.warmup, "threads": args.threads, "parts": parts,
                 "meshes": {w: meshes.get(w, default_mesh(w)) for w in _ints(args.worlds)}}
+    if "remote" in parts:
+        settings.update(remote_meshes=args.remote_meshes, remote_contenders=args.remote_contenders)
     doc: dict[str, Any] = {"date": dt.date.today().isoformat(), "size": size, "settings": settings,
                            "load_average_start": os.getloadavg(), "not_run": []}
     if args.name:
@@ -193,11 +200,11 @@ def main(argv: list[str] | None = None) -> int:
         doc["multinode"] = run_multinode(dense, args.timeout)
         print(f"  correct: {doc['multinode'].get('correct')} {doc['multinode'].get('error', '')}")
     if "remote" in parts:
-        from bench.remote import run_remote
+        from bench.remote import parse_meshes, run_remote
 
         print("remote (SeaweedFS S3 server started here, 4 ranks):")
         moe = next((w for w in workloads if w.kind == "moe"), None) or ensure_workload("moe", size, cache_dir)
-        doc["remote"] = run_remote(moe, meshes.get(4, default_mesh(4)), reps=args.reps, warmup=args.warmup,
+        doc["remote"] = run_remote(moe, parse_meshes(args.remote_meshes), reps=args.reps, warmup=args.warmup,
                                    threads=args.threads, timeout=args.timeout,
                                    contenders=[c.strip() for c in args.remote_contenders.split(",") if c.strip()])
         if doc["remote"].get("error"):

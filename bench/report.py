@@ -117,6 +117,7 @@ def evaluate_targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
                            worst[1]["rss_growth_max"] <= 128 * 2**20,
                            f"worst {human(worst[1]['rss_growth_max'])} ({worst[1]['contender']}, "
                            f"{worst[0]['workload']} x {worst[0]['world']})"))
+    out += remote_targets(doc)
     for sim in doc.get("simulate", []):
         top = [r for r in sim.get("results", []) if r["world"] == 1024 and "plan_s_max" in r]
         for r in top:
@@ -126,6 +127,11 @@ def evaluate_targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
                                  f"{r.get('items_s_max', float('nan')):.2f} s")
             out.append(_target(f"{sim['arch']} {r['layout']}: 1024-rank plan < 5 s per rank", ok,
                                f"{r['plan_s_max']:.2f} s", why))
+            if "coop_plan_s_max" in r:
+                out.append(_target(f"{sim['arch']} {r['layout']}: 1024-rank cooperative plan < 5 s per rank",
+                                   r["coop_plan_s_max"] < 5, f"{r['coop_plan_s_max']:.2f} s (composition "
+                                   f"{r['coop_composition_s']:.2f} s; cluster reads {r['coop_cluster_factor']:.4f}x "
+                                   f"the checkpoint, exchanges {human(r['exchanged_bytes'])})"))
     return out
 
 
@@ -175,8 +181,10 @@ def loads_table(doc: dict[str, Any], worlds: set[int] | None = None) -> str:
 def simulate_table(doc: dict[str, Any]) -> str:
     head = ("| model | layout | ranks | mesh | bytes / rank max (mean) | cluster / ckpt | one replica / ckpt | "
             "legacy cluster / ckpt | plan s / rank (composition) | items s (reused composition) | plan peak mem | "
-            "pickled plan / rank | items / ranges per rank | planner = closed form |")
-    lines = [head, "|" + "|".join("---" for _ in range(14)) + "|"]
+            "pickled plan / rank | items / ranges per rank | planner = closed form | cooperating: bytes / rank max "
+            "(mean) | cooperating: cluster / ckpt | "
+            "exchanged (cluster; per rank max in / out) | coop plan s / rank (items s) | coop planner = closed form |")
+    lines = [head, "|" + "|".join("---" for _ in range(19)) + "|"]
     for sim in doc.get("simulate", []):
         for r in sim.get("results", []):
             plan = f"{r['plan_s_max']:.2f} ({r['composition_s']:.2f})" if "plan_s_max" in r else "-"
@@ -187,41 +195,130 @@ def simulate_table(doc: dict[str, Any]) -> str:
                 _fmt(r.get("items_s_max"), "s"), _fmt(r.get("plan_peak_bytes"), "b"),
                 _fmt(r.get("pickled_plan_bytes_max"), "b"),
                 f"{r.get('read_items_max', '-')} / {r.get('ranges_max', '-')}",
-                "yes" if r["planner_matches_closed_form"] else "**NO**"]) + " |")
+                "yes" if r["planner_matches_closed_form"] else "**NO**", *_cooperative_cells(r)]) + " |")
     return "\n".join(lines)
+
+
+def _cooperative_cells(r: dict[str, Any]) -> list[str]:
+    """The simulation's cooperative columns; dashes for a result from before they existed."""
+    if "coop_cluster_factor" not in r:
+        return ["-"] * 5
+    plan = f"{r['coop_plan_s_max']:.2f}" if "coop_plan_s_max" in r else "-"
+    mean = f" ({human(r['coop_bytes_per_rank_mean'])})" if "coop_bytes_per_rank_mean" in r else ""
+    return [human(r["coop_bytes_per_rank_max"]) + mean, f"{r['coop_cluster_factor']:.4f}",
+            f"{human(r['exchanged_bytes'])}; {human(r['received_per_rank_max'])} / {human(r['sent_per_rank_max'])}",
+            f"{plan} ({_fmt(r.get('coop_items_s_max'), 's')})", "yes" if r["coop_matches_closed_form"] else "**NO**"]
+
+
+def remote_layouts(remote: dict[str, Any]) -> list[dict[str, Any]]:
+    """The remote part's meshes; a result from before there were several (one mesh, the ratios of
+    ``dcp-s3`` alone at the top) reads as one."""
+    if "layouts" in remote:
+        return remote["layouts"]
+    return [{"mesh": remote["mesh"], "contenders": remote["contenders"], "ratios": {"dcp-s3": remote.get("ratios", {})}}]
+
+
+def _reads(r: dict[str, Any]) -> str:
+    return {True: "cooperative", False: "direct"}.get(r.get("cooperating"), "-") if r["contender"] != "s3fs-whole" else "whole files"
+
+
+def _exchanged(r: dict[str, Any]) -> int | None:
+    """Bytes the ranks sent each other (all ranks, last load); None where nothing was measured."""
+    sides = [e for e in r.get("exchange") or [] if e]
+    return sum(e["sent"] for e in sides) if sides else None
 
 
 def remote_section(doc: dict[str, Any]) -> list[str]:
     """The remote row (``doc["remote"]``, :mod:`bench.remote`) as Markdown lines; [] when not run."""
+    from bench.remote import PAIRS
+
     remote = doc.get("remote")
     if not remote:
         return []
     lines = ["## Remote (S3)", ""]
     if remote.get("error") or remote.get("skipped"):
         return lines + [remote.get("skipped") or f"error: {remote['error']}", ""]
-    ratios, loads = remote.get("ratios", {}), remote["loads"]
+    loads = remote["loads"]
     lines += [f"`{remote['url']}` ({human(remote['checkpoint_bytes'])} in {remote['files']} files) on {remote['server']}; "
-              f"{remote['world']} ranks, mesh {remote['mesh']}, {remote['threads']} threads per rank, side by side in "
-              f"one run. Wall: slowest rank, median of {remote['reps']}. Server: its own counters over all "
-              f"{loads} loads of a contender (2xx GETs, HEADs included; bytes sent), divided by {loads}; client: "
-              "GETs per rank of the last load.", "",
-              "| contender | wall s (median) | dcp-s3 / this | server bytes / load | server GETs / load | "
-              "client GETs / rank | bytes read / rank (max) | RSS growth / rank (max) | correct |",
-              "|" + "|".join("---" for _ in range(9)) + "|"]
+              f"{remote['world']} ranks, {remote['threads']} threads per rank, every row of a mesh side by side in one "
+              f"run. Wall: slowest rank, median of {remote['reps']}. Server: its own counters over all {loads} loads of "
+              f"a contender (2xx GETs, HEADs included; bytes sent), divided by {loads}; needed: the union of every "
+              "rank's direct plan (each byte once); client: GETs per rank of the last load; exchanged: bytes the ranks "
+              "sent each other (all ranks, last load); phases: slowest rank, last load.", ""]
     ok = {True: "yes", False: "**NO**", None: "n/a"}
-    for r in remote["contenders"]:
-        if r.get("error"):
-            lines.append(f"| {r['contender']} | error: {r['error'].splitlines()[0][:120].replace('|', '/')} |" + " |" * 7)
+    for layout in remote_layouts(remote):
+        lines += [f"### {layout['mesh']}", ""]
+        if layout.get("error"):
+            lines += [f"error: {layout['error']}", ""]
             continue
-        read = [b for b in r["bytes_read"] if b is not None]
-        lines.append("| " + " | ".join([
-            r["contender"], _fmt(r["wall_s"], "s"), _fmt(ratios.get(r["contender"], {}).get("wall"), "x"),
-            _fmt(r["server"]["bytes"] / loads, "b"), f"{r['server']['gets'] / loads:.0f}",
-            " / ".join(map(str, r["client_gets"])), _fmt(max(read) if read else None, "b"),
-            _fmt(r.get("rss_growth_max"), "b"), ok[r.get("correct")]]) + " |")
-    shown = "; ".join(f"{ratio['wall']:.2f}x the wall time of {name} with {ratio['server_bytes']:.2f}x its server bytes"
-                      for name, ratio in ratios.items())
-    return lines + ["", f"dcp-s3 took {shown}." if shown else "", ""]
+        needed = layout.get("needed_bytes")
+        if needed:
+            lines += [f"Needed regions: {human(needed)}; every rank reading all it holds fetches "
+                      f"{human(layout['direct_bytes'])} ({layout['direct_bytes'] / needed:.2f}x).", ""]
+        lines += ["| contender | reads | wall s (median) | vs its limit | server bytes / load | / needed | "
+                  "server GETs / load | client GETs / rank | exchanged | plan / read / exchange s | "
+                  "bytes read / rank (max) | RSS growth / rank (max) | correct |",
+                  "|" + "|".join("---" for _ in range(13)) + "|"]
+        for r in layout["contenders"]:
+            if r.get("error"):
+                lines.append(f"| {r['contender']} | error: {r['error'].splitlines()[0][:120].replace('|', '/')} |"
+                             + " |" * 11)
+                continue
+            read = [b for b in r["bytes_read"] if b is not None]
+            per_load = r["server"]["bytes"] / loads
+            limit = layout["ratios"].get(r["contender"], {}).get(PAIRS.get(r["contender"]), {}).get("wall")
+            phases = r.get("phases_max_s") or {}
+            shown = " / ".join(f"{phases[k]:.3f}" for k in ("plan_s", "read_s", "exchange_s") if k in phases)
+            lines.append("| " + " | ".join([
+                r["contender"], _reads(r), _fmt(r["wall_s"], "s"), _fmt(limit, "x"), _fmt(per_load, "b"),
+                f"{per_load / needed:.3f}x" if needed and per_load else "-", f"{r['server']['gets'] / loads:.0f}",
+                " / ".join(map(str, r["client_gets"])), _fmt(_exchanged(r), "b"), shown or "-",
+                _fmt(max(read) if read else None, "b"), _fmt(r.get("rss_growth_max"), "b"), ok[r.get("correct")]]) + " |")
+        for ours, against in layout["ratios"].items():
+            shown = "; ".join(f"{ratio['wall']:.2f}x the wall time of {name}" + (
+                f" with {ratio['server_bytes']:.2f}x its server bytes" if "server_bytes" in ratio else "")
+                for name, ratio in against.items())
+            lines += ["", f"{ours} took {shown}."]
+        lines.append("")
+    return lines
+
+
+def remote_targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """The remote targets of every mesh: cluster bytes (cooperative rows), limit, whole files."""
+    from bench.remote import PAIRS
+
+    remote, out = doc.get("remote") or {}, []
+    if not remote.get("loads"):
+        return out
+    for layout in remote_layouts(remote):
+        recs = {r["contender"]: r for r in layout.get("contenders", []) if r.get("wall_s")}
+        for ours, limit_name in PAIRS.items():
+            r = recs.get(ours)
+            if r is None:
+                continue
+            label = f"remote {layout['mesh']}, {ours} ({_reads(r)})"
+            phases = r.get("phases_max_s") or {}
+            profile = "slowest rank: " + ", ".join(f"{k} {v:.3f} s" for k, v in phases.items()) if phases else ""
+            needed = layout.get("needed_bytes")
+            if r.get("cooperating") and needed:
+                per_load = r["server"]["bytes"] / remote["loads"]
+                factor = per_load / (needed + (r.get("header_bytes") or 0))
+                out.append(_target(f"{label}: cluster bytes 1.00x the needed regions (+ headers)", round(factor, 2) <= 1,
+                                   f"{factor:.3f}x ({human(per_load)} per load; needed {human(needed)}, headers "
+                                   f"{human(r.get('header_bytes') or 0)})",
+                                   "" if round(factor, 2) <= 1 else
+                                   f"{human(per_load - needed - (r.get('header_bytes') or 0))} beyond them"))
+            limit = recs.get(limit_name)
+            if limit:
+                ratio = r["wall_s"] / limit["wall_s"]
+                out.append(_target(f"{label}: within 1.15x of the limit ({limit_name})", ratio <= 1.15,
+                                   f"{ratio:.2f}x ({r['wall_s']:.3f} s vs {limit['wall_s']:.3f} s)",
+                                   "" if ratio <= 1.15 else profile))
+            whole = recs.get("s3fs-whole")
+            if whole:
+                out.append(_target(f"{label}: faster than whole-file download (s3fs-whole)", r["wall_s"] < whole["wall_s"],
+                                   f"{whole['wall_s'] / r['wall_s']:.1f}x faster ({whole['wall_s']:.3f} s)"))
+    return out
 
 
 def quantized_section(doc: dict[str, Any]) -> list[str]:

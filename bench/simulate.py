@@ -22,15 +22,23 @@ Per world and layout:
   shards to one checkpoint element, so a rank needs ``sum(local numel x itemsize)``, from
   :func:`hp_dcp_hf.layout.shard_pieces` alone (pure); the legacy pattern reads, for every model
   tensor it holds any part of, all the checkpoint tensors that make it;
+* the same with cooperative reads (:mod:`hp_dcp_hf.parallel.cooperation`): the ranks holding the
+  same local values of a tensor (its ``Replicate`` mesh dims) each read one ``1/g`` flat share of
+  its local elements and receive the others' shares, so per rank the bytes read, received and sent follow
+  from the placements alone, and the cluster reads each needed byte once;
 * sampled ranks are planned for real by :class:`~hp_dcp_hf.HFMappingPlanner` (meta DTensors under
   torch's ``fake`` process group at that rank's number): plan time (fresh, as a real rank pays it,
   and split into the rank-independent composition and the rank's own items), plan memory
   (tracemalloc peak), pickled plan size (what DCP gathers on the coordinator), read items and
-  byte ranges, and a check that the planner's bytes equal the closed form.
+  byte ranges, and a check that the planner's bytes equal the closed form; then planned again
+  cooperatively, with the replica groups given explicitly (``replicas=``, every rank's mesh
+  coordinates from the layout: a fake process group exchanges nothing), checking its
+  ``PlanStats`` (bytes read, received, sent) against the cooperative closed form.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import pickle
 import statistics
@@ -167,30 +175,53 @@ def make_layout(name: str, world: int, experts: int) -> Layout:
 
 
 @cache
-def _local_numel(shape: tuple[int, ...], mesh: tuple[int, ...], coord: tuple[int, ...],
-                 places: tuple[Placement, ...]) -> int:
-    from hp_dcp_hf.layout import shard_pieces
+def _local_shape(shape: tuple[int, ...], mesh: tuple[int, ...], coord: tuple[int, ...],
+                 places: tuple[Placement, ...]) -> tuple[tuple[int, ...], int]:
+    """The rank's local shape and how many elements of it its pieces cover (all, or none)."""
+    from hp_dcp_hf.layout import local_shape, shard_pieces
 
-    return sum(p.global_box.numel for p in shard_pieces(shape, mesh, coord, places))
+    return local_shape(shape, mesh, coord, places), sum(p.global_box.numel for p in shard_pieces(shape, mesh, coord, places))
+
+
+def replica_slot(layout: Layout, kind: str, rank: int, places: Sequence[Placement]) -> tuple[int, int]:
+    """``(index, count)``: the rank's place among the ranks holding its local values (those that
+    differ from it only on ``Replicate`` dims; in rank order, which is row-major order of those
+    coordinates) and how many they are."""
+    mesh, coord = (layout.dense if kind == "dense" else layout.experts), layout.coordinate(kind, rank)
+    index, count = 0, 1
+    for size, c, place in zip(mesh, coord, places):
+        if place.is_replicate():
+            index, count = index * size + c, count * size
+    return index, count
 
 
 def closed_form(ckpt: Checkpoint, layout: Layout, sources: dict[str, tuple[int, ...]]) -> dict[str, list[int]]:
-    """Per rank: bytes this project reads, and bytes the legacy pattern reads (whole sources)."""
+    """Per rank: bytes this project reads, and bytes the legacy pattern reads (whole sources); and
+    cooperating: bytes read (the rank's flat share of each replicated tensor's local elements, as
+    :meth:`~hp_dcp_hf.parallel.cooperation.SharedTarget.elements` cuts them), received and sent."""
     targets = [(name, tuple(t.shape), t.dtype.itemsize, layout.placements(name, t.ndim))
                for name, t in ckpt.model.state_dict().items()]
     source_bytes = {name: sum(ckpt.entries[k].nbytes for k in keys) for name, keys in sources.items()}
-    ours, legacy = [], []
+    out: dict[str, list[int]] = {"ours": [], "legacy": [], "coop": [], "peer_in": [], "peer_out": []}
     for rank in range(layout.world):
         coords = {"dense": layout.coordinate("dense", rank), "experts": layout.coordinate("experts", rank)}
-        mine = theirs = 0
+        mine = theirs = coop = peer_in = peer_out = 0
         for name, shape, itemsize, (kind, places) in targets:
             mesh = layout.dense if kind == "dense" else layout.experts
-            numel = _local_numel(shape, mesh, coords[kind], places)
+            _, numel = _local_shape(shape, mesh, coords[kind], places)
             mine += numel * itemsize
             theirs += source_bytes[name] if numel else 0
-        ours.append(mine)
-        legacy.append(theirs)
-    return {"ours": ours, "legacy": legacy}
+            index, count = replica_slot(layout, kind, rank, places)
+            if numel and count > 1 and numel >= count:
+                part = ((index + 1) * numel // count - index * numel // count) * itemsize
+                coop += part
+                peer_in += numel * itemsize - part
+                peer_out += part * (count - 1)
+            else:
+                coop += numel * itemsize
+        for key, value in zip(out, (mine, theirs, coop, peer_in, peer_out)):
+            out[key].append(value)
+    return out
 
 
 # -- the planner on one simulated rank --------------------------------------------------------------------
@@ -247,20 +278,35 @@ def composition_of(ckpt: Checkpoint):
     return _COMPOSITIONS[id(ckpt)]
 
 
-def plan_rank(ckpt: Checkpoint, layout: Layout, rank: int, *, composition: Any = None,
-              memory: bool = False) -> dict[str, Any]:
+def replica_groups(layout: Layout, rank: int):
+    """The :class:`~hp_dcp_hf.parallel.replicas.ReplicaGroups` a real rank would gather, from the
+    layout's coordinates of every rank (:func:`rank_state_dict`'s meshes have no dim names, so a
+    mesh kind is ``(None, shape)``; two kinds of the same shape have the same coordinates)."""
+    from hp_dcp_hf.parallel.replicas import ReplicaGroups
+
+    kinds = {(None, layout.dense): "dense", (None, layout.experts): "experts"}
+    every = [{kind: layout.coordinate(which, r) for kind, which in kinds.items()} for r in range(layout.world)]
+    return ReplicaGroups(rank, layout.world, every)
+
+
+def plan_rank(ckpt: Checkpoint, layout: Layout, rank: int, *, composition: Any = None, memory: bool = False,
+              cooperate: bool = False) -> dict[str, Any]:
     """Plan one rank with the real planner (``composition``: traced already, or None to trace it
-    in the timed plan, as every real rank does); times, sizes and counts."""
+    in the timed plan, as every real rank does; ``cooperate``: as a cooperative reader asks, the
+    replica groups given, not gathered); times, sizes and counts."""
     from bench.limit import plan_ranges
     from hp_dcp_hf import HFMappingPlanner
+    from hp_dcp_hf.parallel.cooperation import COOPERATE
 
+    metadata = dataclasses.replace(ckpt.metadata, planner_data={COOPERATE: True}) if cooperate else ckpt.metadata
     with fake_rank(rank, layout.world):
         state = rank_state_dict(ckpt, layout, rank)
-        planner = HFMappingPlanner(ckpt.model, composition=composition)
+        replicas = replica_groups(layout, rank) if cooperate else None
+        planner = HFMappingPlanner(ckpt.model, composition=composition, replicas=replicas)
         if memory:
             tracemalloc.start()
         start = time.perf_counter()
-        items = planner.plan_reads(state, ckpt.metadata)
+        items = planner.plan_reads(state, metadata)
         seconds = time.perf_counter() - start
         peak = tracemalloc.get_traced_memory()[1] if memory else None
         if memory:
@@ -269,7 +315,8 @@ def plan_rank(ckpt: Checkpoint, layout: Layout, rank: int, *, composition: Any =
     return {"rank": rank, "plan_s": seconds, "plan_peak_bytes": peak, "read_items": len(items),
             "ranges": sum(len(r) for r in ranges.values()), "files": len(ranges),
             "pickled_plan_bytes": len(pickle.dumps(items)), "bytes_needed": planner.stats.bytes_needed,
-            "deferred_bytes": planner.stats.deferred_bytes}
+            "deferred_bytes": planner.stats.deferred_bytes, "shared_targets": planner.stats.shared_targets,
+            "peer_bytes_in": planner.stats.peer_bytes_in, "peer_bytes_out": planner.stats.peer_bytes_out}
 
 
 def sample_ranks(world: int, count: int) -> list[int]:
@@ -282,9 +329,29 @@ def sample_ranks(world: int, count: int) -> list[int]:
 # -- the run ---------------------------------------------------------------------------------------------------
 
 
+def _plans(ckpt: Checkpoint, layout: Layout, ranks: Sequence[int], composition: Any, fresh_plans: int,
+           cached_plans: int, *, cooperate: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The first ``fresh_plans`` of ``ranks`` planned as a real rank pays it (trace the conversion,
+    then plan), the first ``cached_plans`` with ``composition`` traced already."""
+    fresh, cached = [], []
+    for i, rank in enumerate(ranks):
+        if i < fresh_plans:
+            t0 = time.perf_counter()
+            traced = build_composition(ckpt)
+            traced_s = time.perf_counter() - t0
+            row = plan_rank(ckpt, layout, rank, composition=traced, cooperate=cooperate)
+            row["composition_s"] = traced_s
+            row["plan_s"] += traced_s
+            fresh.append(row)
+        if i < cached_plans:
+            cached.append(plan_rank(ckpt, layout, rank, composition=composition, cooperate=cooperate))
+    return fresh, cached
+
+
 def simulate(arch: str, worlds: Sequence[int], *, layouts_: Sequence[str] = ("fsdp", "hsdp"), fresh_plans: int = 1,
-             cached_plans: int = 4, log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Every world x layout: closed-form bytes for all ranks, real plans for sampled ranks."""
+             cached_plans: int = 4, cooperative: bool = True, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Every world x layout: closed-form bytes for all ranks, real plans for sampled ranks (again
+    cooperating when ``cooperative``)."""
     start = time.perf_counter()
     ckpt = build_checkpoint(arch)
     log(f"  {arch}: {len(ckpt.entries)} checkpoint tensors in {ckpt.files} files, {ckpt.nbytes / 1e12:.2f} TB (bf16), "
@@ -303,22 +370,14 @@ def simulate(arch: str, worlds: Sequence[int], *, layouts_: Sequence[str] = ("fs
             totals = closed_form(ckpt, layout, sources)
             closed_s = time.perf_counter() - t0
             ranks = sample_ranks(world, max(fresh_plans, cached_plans))
-            fresh, cached = [], []
-            for i, rank in enumerate(ranks):
-                if i < fresh_plans:  # what a real rank pays: trace the conversion, then plan
-                    t0 = time.perf_counter()
-                    traced = build_composition(ckpt)
-                    traced_s = time.perf_counter() - t0
-                    row = plan_rank(ckpt, layout, rank, composition=traced)
-                    row["composition_s"] = traced_s
-                    row["plan_s"] += traced_s
-                    fresh.append(row)
-                if i < cached_plans:
-                    cached.append(plan_rank(ckpt, layout, rank, composition=composition))
+            fresh, cached = _plans(ckpt, layout, ranks, composition, fresh_plans, cached_plans, cooperate=False)
             if world == max(worlds) and fresh_plans:  # tracemalloc slows planning: a separate, untimed run
                 fresh[0]["plan_peak_bytes"] = plan_rank(ckpt, layout, ranks[0], memory=True)["plan_peak_bytes"]
             mismatched = [r["rank"] for r in fresh + cached if r["bytes_needed"] != totals["ours"][r["rank"]]]
             record = _summarize(arch, ckpt, layout, totals, fresh, cached, mismatched, closed_s)
+            if cooperative:
+                coop = _plans(ckpt, layout, ranks, composition, fresh_plans, cached_plans, cooperate=True)
+                record.update(_summarize_cooperative(ckpt, totals, *coop))
             log("    " + sim_line(record))
             results.append(record)
     return {"arch": arch, "checkpoint_tensors": len(ckpt.entries), "files": ckpt.files, "checkpoint_bytes": ckpt.nbytes,
@@ -353,9 +412,41 @@ def _summarize(arch: str, ckpt: Checkpoint, layout: Layout, totals: dict[str, li
     return record
 
 
+def _summarize_cooperative(ckpt: Checkpoint, totals: dict[str, list[int]], fresh: list[dict],
+                           cached: list[dict]) -> dict[str, Any]:
+    """The cooperative closed form (cluster bytes read and exchanged), its check against the
+    planner's ``PlanStats`` on the sampled ranks, and their plan times."""
+    keys = (("bytes_needed", "coop"), ("peer_bytes_in", "peer_in"), ("peer_bytes_out", "peer_out"))
+    mismatched = sorted({r["rank"] for r in fresh + cached if any(r[a] != totals[b][r["rank"]] for a, b in keys)})
+    record: dict[str, Any] = {
+        "coop_bytes_per_rank_max": max(totals["coop"]), "coop_bytes_per_rank_mean": statistics.fmean(totals["coop"]),
+        "coop_cluster_bytes": sum(totals["coop"]),
+        "coop_cluster_factor": sum(totals["coop"]) / ckpt.nbytes, "exchanged_bytes": sum(totals["peer_in"]),
+        "received_per_rank_max": max(totals["peer_in"]), "sent_per_rank_max": max(totals["peer_out"]),
+        "coop_matches_closed_form": not mismatched, "coop_mismatched_ranks": mismatched,
+        "coop_sampled": sorted({r["rank"] for r in fresh + cached}),
+        "shared_targets_max": max((r["shared_targets"] for r in fresh + cached), default=None)}
+    if fresh:
+        record.update(coop_plan_s_max=max(r["plan_s"] for r in fresh),
+                      coop_composition_s=max(r["composition_s"] for r in fresh))
+    if cached:
+        record.update(coop_items_s_max=max(r["plan_s"] for r in cached),
+                      coop_pickled_plan_bytes_max=max(r["pickled_plan_bytes"] for r in cached))
+    return record
+
+
 def sim_line(r: dict[str, Any]) -> str:
     plan = f"plan {r['plan_s_max']:.2f} s (composition {r['composition_s']:.2f} s)" if "plan_s_max" in r else ""
     items = f"items {r['items_s_max']:.2f} s" if "items_s_max" in r else ""
     ok = "ok" if r["planner_matches_closed_form"] else f"MISMATCH {r['mismatched_ranks']}"
-    return (f"{r['layout']:<5} {r['world']:>5} ranks: per rank max {r['bytes_per_rank_max'] / 2**30:8.2f} GiB, cluster "
+    line = (f"{r['layout']:<5} {r['world']:>5} ranks: per rank max {r['bytes_per_rank_max'] / 2**30:8.2f} GiB, cluster "
             f"{r['cluster_factor']:.2f}x ckpt (legacy {r['legacy_cluster_factor']:.1f}x); {plan}; {items}; {ok}")
+    if "coop_cluster_factor" not in r:
+        return line
+    coop_ok = "ok" if r["coop_matches_closed_form"] else f"MISMATCH {r['coop_mismatched_ranks']}"
+    plan = f"plan {r['coop_plan_s_max']:.2f} s, " if "coop_plan_s_max" in r else ""
+    items = f"items {r['coop_items_s_max']:.2f} s; " if "coop_items_s_max" in r else ""
+    return (f"{line}\n      cooperating: per rank max {r['coop_bytes_per_rank_max'] / 2**30:.2f} GiB (mean "
+            f"{r['coop_bytes_per_rank_mean'] / 2**30:.2f}), cluster reads {r['coop_cluster_factor']:.4f}x ckpt, exchanges "
+            f"{r['exchanged_bytes'] / 2**40:.2f} TiB (per rank max in {r['received_per_rank_max'] / 2**30:.2f} GiB, "
+            f"out {r['sent_per_rank_max'] / 2**30:.2f} GiB); {plan}{items}{coop_ok}")
