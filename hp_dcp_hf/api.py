@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from collections.abc import Collection, Sequence
@@ -78,7 +79,9 @@ def load_hf_checkpoint(
         error.touched_keys = tuple(sorted(planner.touched_targets))  # type: ignore[attr-defined]
         raise error from None
     assert planner.report is not None
-    return planner.report
+    seconds = {"metadata": reader.seconds.get("metadata", 0.0), "plan": planner.plan_seconds,
+               **{k: v for k, v in reader.seconds.items() if k != "metadata"}}
+    return dataclasses.replace(planner.report, seconds=seconds)
 
 
 def unwrap_checkpoint_exception(exc: CheckpointException) -> BaseException:

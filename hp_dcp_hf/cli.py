@@ -237,7 +237,8 @@ def cmd_load(args: argparse.Namespace) -> int:
             written, save_s = writer.bytes_written, time.perf_counter() - start
         row = {
             "rank": rank, "bytes_needed": report.plan.bytes_needed, "bytes_read": report.read.bytes_read,
-            "requests": report.read.requests, "load_s": report.seconds["load"], "read_s": reader.read_seconds,
+            "requests": report.read.requests, "load_s": report.seconds["load"], "read_s": report.seconds["read"],
+            "phases": {k: report.seconds.get(k, 0.0) for k in ("metadata", "plan", "read", "exchange", "finalize")},
             "total_s": total_s,
             "loaded": len(report.loaded_keys), "missing": len(report.missing_keys),
             "unexpected": len(report.unexpected_keys), "initialized": len(report.initialized_keys),
@@ -254,11 +255,14 @@ def cmd_load(args: argparse.Namespace) -> int:
         return 0
     for line in layout:
         print(f"layout: {line}")
-    print(table(("rank", "bytes needed", "bytes read", "requests", "load s", "read s", "GB/s"),
+    phases = ("metadata", "plan", "read", "exchange", "finalize")
+    print(table(("rank", "bytes needed", "bytes read", "requests", "load s", *(f"{p} s" for p in phases), "GB/s"),
                 [(r["rank"], fmt_bytes(r["bytes_needed"]), fmt_bytes(r["bytes_read"]), r["requests"],
-                  f"{r['load_s']:.2f}", f"{r['read_s']:.2f}", f"{r['bytes_read'] / max(r['read_s'], 1e-9) / 1e9:.2f}")
+                  f"{r['load_s']:.2f}", *(f"{r['phases'][p]:.2f}" for p in phases),
+                  f"{r['bytes_read'] / max(r['read_s'], 1e-9) / 1e9:.2f}")
                  for r in rows]))
-    print("(load s: the whole dcp.load, metadata and plan exchange included; read s and GB/s: its reads)")
+    print("(load s: the whole load, its metadata, plan, read and exchange phases and the agreement after "
+          "it; finalize s: the model's init of what the checkpoint lacks, tying; GB/s: bytes read over read s)")
     needed = sum(r["bytes_needed"] for r in rows)
     read = sum(r["bytes_read"] for r in rows)
     print(f"read amplification {read / max(needed, 1):.3f} (bytes read / bytes needed); "

@@ -153,7 +153,7 @@ def _rank_main(rank: int, world: int, port: int, ckpt: str, mesh_spec: str, tran
                 "bytes_needed": report.plan.bytes_needed, "bytes_read": report.read.bytes_read,
                 "requests": report.read.requests, "ranges": report.read.ranges,
                 "header_bytes": report.read.header_bytes, "load_s": report.seconds["load"],
-                "read_s": reader.read_seconds,
+                "read_s": report.seconds["read"],
                 "total_s": time.perf_counter() - start, "reads": sorted(reader.reads),
                 "loaded": len(report.loaded_keys), "missing": list(report.missing_keys),
                 "unexpected": list(report.unexpected_keys), "initialized": list(report.initialized_keys),

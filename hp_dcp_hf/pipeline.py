@@ -73,7 +73,11 @@ class PipelineError(HPDCPHFError):
 
 @dataclass(frozen=True)
 class PretrainedLoadReport(LoadReport):
-    """What :func:`from_pretrained` did on this rank; a :class:`~hp_dcp_hf.LoadReport` plus more."""
+    """What :func:`from_pretrained` did on this rank; a :class:`~hp_dcp_hf.LoadReport` plus more.
+
+    ``seconds`` has the wall time of each stage: ``skeleton``, ``transforms``, ``parallelize``,
+    ``materialize``, ``load`` (with its phases ``metadata``, ``plan``, ``read``, ``exchange``), then
+    ``finalize``."""
 
     initialized_keys: tuple[str, ...] = ()
     """Model tensors the model's own init filled: missing keys and non-persistent buffers."""
@@ -82,9 +86,6 @@ class PretrainedLoadReport(LoadReport):
     """This rank's plan: targets, read items, bytes needed, deferred groups."""
     read: FileStats = field(default_factory=FileStats)
     """What this rank's reader read, over all files (header traffic included)."""
-    seconds: Mapping[str, float] = field(default_factory=dict)
-    """Wall time of each stage: ``skeleton``, ``transforms``, ``parallelize``, ``materialize``,
-    ``load``, ``finalize``."""
     layout: tuple[str, ...] = ()
     """What the parallelization did (its ``applied`` lines, when it has them)."""
     unsharded: tuple[Any, ...] = ()
@@ -418,6 +419,7 @@ def from_pretrained(
     planner = planner_cls(model, weights_mapping=mapping, strict=strict, trace=loader == "dcp")
     base = load_hf_checkpoint(model, path_or_repo, loader=loader, reader=reader, planner=planner)
     lap("load")
+    seconds.update(base.seconds)
     initialized = finalize(model, base, seed=init_seed)
     retie(model)
     model.eval()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -58,6 +59,10 @@ class LoadReport:
     loaded_keys: tuple[str, ...]
     missing_keys: tuple[str, ...]
     unexpected_keys: tuple[str, ...]
+    seconds: Mapping[str, float] = field(default_factory=dict)
+    """Wall time of each phase on this rank: ``metadata`` (headers read, or received from rank 0),
+    ``plan``, ``read`` (reads, casts and copies into the shards) and, cooperating, ``exchange``
+    (what the exchange with the replicas took after this rank's reads)."""
 
 
 @dataclass
@@ -153,6 +158,7 @@ class HFMappingPlanner(LoadPlanner):
         self.external_target_fqns = frozenset(external_target_fqns)
         self.claimed_source_keys = frozenset(claimed_source_keys)
         self.report: LoadReport | None = None
+        self.plan_seconds = 0.0  # the last create_local_plan's wall time
         self.stats = PlanStats()
         self.composition = composition
         self.filled: tuple[str, ...] = ()  # the state dict keys written (one per tied group)
@@ -180,8 +186,11 @@ class HFMappingPlanner(LoadPlanner):
         self.is_coordinator = is_coordinator
 
     def create_local_plan(self) -> LoadPlan:
+        start = time.perf_counter()
         with paused_gc():
-            return LoadPlan(self.plan_reads(self.state_dict, self.metadata))
+            plan = LoadPlan(self.plan_reads(self.state_dict, self.metadata))
+        self.plan_seconds = time.perf_counter() - start
+        return plan
 
     def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
         return global_plan

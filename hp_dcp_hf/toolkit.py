@@ -18,7 +18,6 @@ import json
 import math
 import sys
 import threading
-import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -342,22 +341,14 @@ def _quantization(quantization_config: Mapping[str, Any] | None) -> str | None:
 
 class RecordingReader(HFStorageReader):
     """An :class:`HFStorageReader` that keeps every request it issues (``reads``: ``(file, start,
-    end)``, coalescing gaps included) and the wall time of its ``read_data`` calls."""
+    end)``, coalescing gaps included)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, record_requests=True, **kwargs)
-        self.read_seconds = 0.0
 
     @property
     def reads(self) -> list[tuple[str, int, int]]:
         return self.requests_log
-
-    def read_data(self, plan, planner):
-        start = time.perf_counter()
-        try:
-            return super().read_data(plan, planner)
-        finally:
-            self.read_seconds += time.perf_counter() - start
 
 
 def progress_planner(show: bool, desc: str = "rank 0 loading") -> Callable[..., Any]:

@@ -52,6 +52,8 @@ def test_tied_aliases_count_as_loaded_and_lm_head_is_read_once(llama_checkpoint)
     reference = llama_checkpoint.reference()
     assert all(torch.equal(v, reference[k].float()) for k, v in model.state_dict().items())
     assert reader.stats.total().bytes_read == planner.stats.bytes_needed
+    # each phase timed, in load order (values are wall times: only their presence is checked)
+    assert list(report.seconds) == ["metadata", "plan", "read"] and all(v >= 0 for v in report.seconds.values())
 
 
 def test_missing_keys_strict_raises_before_any_write(llama_checkpoint, tmp_path):

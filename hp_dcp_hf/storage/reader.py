@@ -17,6 +17,7 @@ import contextlib
 import math
 import os
 import threading
+import time
 import uuid
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
@@ -223,6 +224,7 @@ class HFStorageReader(StorageReader):
         self.stats = ReadStats()
         self.load_id = str(uuid.uuid4())
         self.metadata_error: Exception | None = None
+        self.seconds: dict[str, float] = {}  # wall time of this load's phases (see LoadReport.seconds)
         self.cooperating = False
         self.exchange = ExchangeStats()
         self.requests_log: list[tuple[str, int, int]] = []
@@ -296,11 +298,14 @@ class HFStorageReader(StorageReader):
         An error is also kept in ``metadata_error``: torch's ``dcp.load`` turns exceptions of
         ``read_metadata`` into an ``AssertionError`` carrying only their text.
         """
+        start = time.perf_counter()
         try:
             return self._read_metadata()
         except Exception as error:
             self.metadata_error = error
             raise
+        finally:
+            self.seconds["metadata"] = time.perf_counter() - start
 
     def _read_metadata(self) -> Metadata:
         self.metadata_error = None
@@ -355,15 +360,26 @@ class HFStorageReader(StorageReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Read every item of ``plan`` into ``planner.resolve_tensor(item)``, then commit it."""
-        with paused_gc():
-            if not self.cooperating:
-                return self._read_data(plan, planner)
-            return self._read_cooperatively(plan, planner)
+        start = time.perf_counter()
+        self.seconds.pop("exchange", None)
+        try:
+            with paused_gc():
+                if not self.cooperating:
+                    return self._read_data(plan, planner)
+                return self._read_cooperatively(plan, planner)
+        finally:
+            self.seconds["read"] = time.perf_counter() - start - self.seconds.get("exchange", 0.0)
 
     def _read_cooperatively(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Read this rank's slices while a thread exchanges them with the replicas as they become
         final (:mod:`hp_dcp_hf.parallel.cooperation`). Every rank raises the same error when one
         fails, marked ``agreed`` (no rank needs to agree on it again)."""
+        # Every rank planned before any exchanges: a rank whose planning failed is agreeing on its
+        # error in load_hf_checkpoint, and this matches that collective.
+        planned = agree_on_failure(None)
+        if planned is not None:
+            planned.agreed = True  # type: ignore[attr-defined]
+            raise planned
         shared = getattr(planner, "shared", ())
         progress = getattr(planner, "progress", None) or ReadProgress()
         outcome: dict[str, Any] = {}
@@ -383,8 +399,10 @@ class HFStorageReader(StorageReader):
             error = e
         finally:
             progress.finish(error)
+            reads_done = time.perf_counter()
             thread.join()
         error = agree_on_failure(error or outcome.get("error"))
+        self.seconds["exchange"] = time.perf_counter() - reads_done
         self.exchange = outcome.get("stats", ExchangeStats())
         touched = getattr(planner, "touched_targets", None)
         if touched is not None:

@@ -41,6 +41,7 @@ def _load(rank: int, world: int, paths: dict[str, str]) -> dict:
                                             reader=reader)
             states[mode] = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
             stats[mode] = {"read": reader.stats.total().bytes_read, "cooperating": reader.cooperating,
+                           "phases": [k for k in report.seconds if k in ("metadata", "plan", "read", "exchange")],
                            "received": reader.exchange.bytes_received, "sent": reader.exchange.bytes_sent,
                            "planned_in": report.plan.peer_bytes_in, "planned_out": report.plan.peer_bytes_out,
                            "shared": report.plan.shared_targets}
@@ -72,11 +73,15 @@ def _remote(rank: int, paths: dict[str, str]) -> dict:
 
 
 def _failures(rank: int, path: str) -> dict[str, str]:
-    """Rank 2's read fails, then rank 1's exchange: what every rank raises."""
-    from hp_dcp_hf import HFStorageReader
-    from hp_dcp_hf.errors import StorageReadError
+    """Rank 3's planning fails (after the replicas found each other), then rank 2's read, then rank
+    1's exchange: what every rank raises."""
+    from hp_dcp_hf import HFMappingPlanner, HFStorageReader
+    from hp_dcp_hf.errors import MappingError, StorageReadError
     from hp_dcp_hf.parallel import cooperation
     from hp_dcp_hf.pipeline import from_pretrained
+
+    def plan_fails(self, *args):
+        raise MappingError("injected planning failure")
 
     def read_fails(self, plan, planner):
         raise StorageReadError("injected read failure", file="model.safetensors")
@@ -86,6 +91,7 @@ def _failures(rank: int, path: str) -> dict[str, str]:
 
     outcomes = {}
     for name, rank_failing, cls, method, broken in (
+        ("plan", 3, HFMappingPlanner, "_validate", plan_fails),
         ("read", 2, HFStorageReader, "_read_data", read_fails),
         ("exchange", 1, cooperation._Stream, "take", take_fails),
     ):
@@ -151,6 +157,8 @@ def test_replicas_read_each_byte_once_and_load_the_same_values(run, case):
     direct = [r["stats"]["never"] for r in results]
     shared = [r["stats"]["always"] for r in results]
     assert not any(s["cooperating"] for s in direct) and all(s["cooperating"] for s in shared)
+    assert all(s["phases"] == ["metadata", "plan", "read"] for s in direct)
+    assert all(s["phases"] == ["metadata", "plan", "read", "exchange"] for s in shared)
     assert sum(s["read"] for s in shared) == _tensor_bytes(paths[checkpoint])  # each byte once
     assert sum(s["read"] for s in direct) > sum(s["read"] for s in shared)
     for s in shared:  # each rank receives exactly the slices it did not read, and sends its own
@@ -183,9 +191,10 @@ def test_remote_servers_serve_each_needed_byte_once(run, store):
         assert torch.equal(value, reference[key]), key
 
 
-def test_a_rank_failing_mid_read_or_mid_exchange_fails_every_rank_with_its_error(run):
+def test_a_rank_failing_to_plan_or_mid_read_or_mid_exchange_fails_every_rank_with_its_error(run):
     per_rank, _, _ = run
     outcomes = [r["failures"] for r in per_rank]
+    assert all(o["plan"].startswith("MappingError") and "injected planning failure" in o["plan"] for o in outcomes)
     assert all(o["read"].startswith("StorageReadError") and "injected read failure" in o["read"] for o in outcomes)
     assert all(o["exchange"].startswith("StorageReadError") and "injected exchange failure" in o["exchange"]
                for o in outcomes), outcomes
