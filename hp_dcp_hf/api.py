@@ -79,8 +79,8 @@ def load_hf_checkpoint(
         error.touched_keys = tuple(sorted(planner.touched_targets))  # type: ignore[attr-defined]
         raise error from None
     assert planner.report is not None
-    seconds = {"metadata": reader.seconds.get("metadata", 0.0), "plan": planner.plan_seconds,
-               **{k: v for k, v in reader.seconds.items() if k != "metadata"}}
+    phases = {"plan": planner.plan_seconds, **reader.seconds}
+    seconds = {k: phases[k] for k in ("metadata", "plan", "read", "exchange") if k in phases}  # in load order
     return dataclasses.replace(planner.report, seconds=seconds)
 
 

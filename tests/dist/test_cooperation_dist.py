@@ -157,7 +157,7 @@ def test_replicas_read_each_byte_once_and_load_the_same_values(run, case):
     direct = [r["stats"]["never"] for r in results]
     shared = [r["stats"]["always"] for r in results]
     assert not any(s["cooperating"] for s in direct) and all(s["cooperating"] for s in shared)
-    assert all(s["phases"] == ["metadata", "plan", "read"] for s in direct)
+    assert all(s["phases"] == ["metadata", "plan", "read"] for s in direct), [s["phases"] for s in direct]
     assert all(s["phases"] == ["metadata", "plan", "read", "exchange"] for s in shared)
     assert sum(s["read"] for s in shared) == _tensor_bytes(paths[checkpoint])  # each byte once
     assert sum(s["read"] for s in direct) > sum(s["read"] for s in shared)
