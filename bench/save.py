@@ -45,11 +45,11 @@ def _recording_writer(out: str):
     class RecordingDirectory(Directory):
         ranges: list[tuple[str, int, int]] = []
 
-        def write(self, token, files, writes, staging_bytes):
+        def write(self, token, files, writes, staging_bytes, failure=None):
             for w in writes:
                 self.ranges.extend((w.tensor.file, w.tensor.start + s, e - s)
                                    for s, e in box_byte_ranges(w.tensor.shape, w.tensor.dtype.itemsize, w.box))
-            return super().write(token, files, writes, staging_bytes)
+            return super().write(token, files, writes, staging_bytes, failure)
 
     writer = HFStorageWriter(out)
     writer.destination = RecordingDirectory(out)

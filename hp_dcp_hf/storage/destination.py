@@ -92,8 +92,10 @@ class Destination(ABC):
         """Prepare every file, invisible under its final name; the token every rank writes with."""
 
     @abstractmethod
-    def write(self, token: Any, files: Sequence[SavedFile], writes: Sequence[BoxWrite], staging_bytes: int) -> list[int]:
-        """Write every box of ``writes``; the tensor bytes of each. Every rank calls it."""
+    def write(self, token: Any, files: Sequence[SavedFile], writes: Sequence[BoxWrite], staging_bytes: int,
+              failure: BaseException | None = None) -> list[int]:
+        """Write every box of ``writes``; the tensor bytes of each. Every rank calls it, also after
+        failing to prepare its writes (``failure``, raised here once the other ranks know)."""
 
     @abstractmethod
     def publish(self, token: Any, files: Sequence[SavedFile], extra_files: Mapping[str, str],
@@ -130,7 +132,10 @@ class Directory(Destination):
                 handle.write(text)
         return staging
 
-    def write(self, token: str, files: Sequence[SavedFile], writes: Sequence[BoxWrite], staging_bytes: int) -> list[int]:
+    def write(self, token: str, files: Sequence[SavedFile], writes: Sequence[BoxWrite], staging_bytes: int,
+              failure: BaseException | None = None) -> list[int]:
+        if failure is not None:  # no other rank waits for this one's bytes
+            raise failure
         handles: dict[str, int] = {}
         written = []
         try:

@@ -92,14 +92,14 @@ class MultipartUploads(Destination):
         return self._gloo, dist.get_rank(), dist.get_world_size()
 
     def write(self, token: dict[str, str], files: Sequence[SavedFile], writes: Sequence[BoxWrite],
-              staging_bytes: int) -> list[int]:
+              staging_bytes: int, failure: BaseException | None = None) -> list[int]:
         group, rank, world = self._group()
         headers = {f.name: f.header for f in files}
         spans = [w.span() for w in writes]
         written = [0] * len(writes)
         self.bytes_sent = self.bytes_uploaded = 0
         uploader = _Uploader(self, token)
-        error: BaseException | None = None
+        error = failure  # the rounds still run, carrying it to every rank
         try:
             for owned in rounds(file_parts([(f.name, f.size) for f in files], self.part_bytes), world):
                 sends: list[list[Run]] = [[] for _ in range(world)]

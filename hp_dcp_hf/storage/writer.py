@@ -125,14 +125,18 @@ class HFStorageWriter(StorageWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Write every box of ``plan`` at its final offsets."""
         self.token = plan.storage_data
-        writes = []
-        for item in plan.items:
-            tensor = self.tensors.get(item.index.fqn)
-            if tensor is None or item.tensor_data is None:
-                raise PlanningError("the plan writes a key the layout does not have", key=item.index.fqn)
-            box = Box(tuple(item.tensor_data.chunk.offsets), tuple(item.tensor_data.chunk.sizes))
-            writes.append(BoxWrite(tensor, box, planner.resolve_data(item)))
-        sizes = self.destination.write(self.token, self.files, writes, self.staging_bytes)
+        writes: list[BoxWrite] = []
+        failure: BaseException | None = None
+        try:
+            for item in plan.items:
+                tensor = self.tensors.get(item.index.fqn)
+                if tensor is None or item.tensor_data is None:
+                    raise PlanningError("the plan writes a key the layout does not have", key=item.index.fqn)
+                box = Box(tuple(item.tensor_data.chunk.offsets), tuple(item.tensor_data.chunk.sizes))
+                writes.append(BoxWrite(tensor, box, planner.resolve_data(item)))
+        except Exception as e:  # noqa: BLE001 - the destination raises it, once the other ranks know
+            writes, failure = [], e
+        sizes = self.destination.write(self.token, self.files, writes, self.staging_bytes, failure)
         self.bytes_written = sum(sizes)
         future: Future[list[WriteResult]] = Future()
         future.set_result([WriteResult(index=item.index, size_in_bytes=size, storage_data=None)

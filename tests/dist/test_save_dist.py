@@ -150,10 +150,12 @@ def test_a_rank_failing_fails_every_rank_and_publishes_nothing(checkpoints):
 
 def _s3_save(rank: int, world: int, checkpoint: str, out: str, prefix: str, options: dict) -> dict:
     """Save to a local directory and to S3 under dp=2,tp=2, then save again to S3 with rank 2's
-    uploads failing: the first save's objects must survive."""
+    uploads failing, and with rank 1 failing before its first byte: the first save's objects must
+    survive."""
     import warnings
 
-    from hp_dcp_hf import HFStorageWriter, from_pretrained, save_hf_checkpoint
+    from hp_dcp_hf import HFSavePlanner, HFStorageWriter, from_pretrained, save_hf_checkpoint
+    from hp_dcp_hf.errors import MappingError
     from hp_dcp_hf.storage.multipart import MultipartUploads
     from hp_dcp_hf.storage.parts import MIN_PART_BYTES
 
@@ -174,6 +176,15 @@ def _s3_save(rank: int, world: int, checkpoint: str, out: str, prefix: str, opti
             save_hf_checkpoint(model, prefix, max_shard_size="12MB", part_bytes=MIN_PART_BYTES, **options)
         except Exception as e:  # noqa: BLE001 - the test checks the type
             result["failure"] = f"{type(e).__name__}: {e}"
+        if rank == 1:  # fails before its first byte: the others must not wait for its runs
+            def unresolvable(self, item):
+                raise MappingError("injected: no data for this item", key=item.index.fqn)
+
+            HFSavePlanner.resolve_data = unresolvable
+        try:
+            save_hf_checkpoint(model, prefix, max_shard_size="12MB", part_bytes=MIN_PART_BYTES, **options)
+        except Exception as e:  # noqa: BLE001 - the test checks the type
+            result["early_failure"] = f"{type(e).__name__}: {e}"
     return result
 
 
@@ -194,7 +205,8 @@ def test_4_ranks_save_to_s3_what_they_save_locally(tmp_path):
     finally:
         moto.stop()
     assert all(r["failure"].startswith("StorageWriteError") and "Input/output error" in r["failure"]
-               for r in results), [(r["written"], r["sent"], r["uploaded"]) for r in results]
+               for r in results), results
+    assert all(r["early_failure"].startswith("MappingError") and "injected" in r["early_failure"] for r in results)
     weights = {name: len(data) for name, data in local.items() if name.endswith(".safetensors")}
     assert sum(r["written"] for r in results) == _tensor_bytes(tmp_path / "local")  # each byte once
     assert sum(r["uploaded"] for r in results) == sum(weights.values())  # each part once, by one rank
