@@ -225,6 +225,11 @@ def _overlap(rank: int, world: int) -> dict:
         time.sleep(0.01)
     a_before_b = bool((tensors["a"].view(-1)[lo:hi] == peer).all())
     b_untouched = bool((tensors["b"].view(-1)[slice(*targets[1].elements(peer))] == -1).all())
+    # Both ranks have looked before either completes b: otherwise the replica, having seen a,
+    # may legitimately send its b before this rank looks.
+    store = torch.distributed.distributed_c10d._get_default_store()
+    store.set(f"looked-{rank}", "1")
+    store.wait([f"looked-{peer}"])
     progress.complete("b")
     progress.finish(None)
     thread.join()
