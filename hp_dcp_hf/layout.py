@@ -27,9 +27,11 @@ no pieces, and has nothing to read.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -100,18 +102,32 @@ def local_shard_pieces(tensor: torch.Tensor, *, key: str | None = None) -> tuple
     spec = tensor._spec
     # A spec may carry its shard order explicitly rather than in _StridedShard split factors
     # (redistribution with an ordered plan): then that order is the layout.
-    explicit = None if getattr(spec, "use_strided_shard_as_shard_order", True) else spec.shard_order
-    steps = _steps(tensor.ndim, mesh.shape, coordinate, tensor.placements, explicit, key)
-    runs = _dim_runs(tensor.shape, mesh.shape, coordinate, steps)
+    explicit = None
+    if not getattr(spec, "use_strided_shard_as_shard_order", True):
+        explicit = tuple((tensor_dim, tuple(mesh_dims)) for tensor_dim, mesh_dims in spec.shard_order)
+    try:
+        pieces, lengths = _layout(tuple(tensor.shape), tuple(mesh.shape), tuple(coordinate),
+                                  tuple(tensor.placements), explicit)
+    except LayoutError as e:
+        raise LayoutError(e.reason, key=key) from None
     # A local tensor that disagrees with its layout (from_local with a wrong shape, a torch layout
     # this module does not know) would otherwise be filled at wrong offsets.
-    local_shape = tuple(tensor.to_local().shape)
-    if local_shape != tuple(_length(r) for r in runs):
+    local_shape = tuple(tensor._local_tensor.shape)
+    if local_shape != lengths:
         raise LayoutError(
             f"local tensor of shape {local_shape} does not match placements {tensor.placements} "
             f"of global shape {tuple(tensor.shape)} at mesh coordinate {tuple(coordinate)}", key=key,
         )
-    return _pieces(runs)
+    return pieces
+
+
+@functools.lru_cache(maxsize=4096)
+def _layout(global_shape: tuple[int, ...], mesh_shape: tuple[int, ...], coordinate: tuple[int, ...],
+            placements: tuple[Placement, ...], shard_order: Any) -> tuple[tuple[ShardPiece, ...], tuple[int, ...]]:
+    """The pieces and local shape of one layout, computed once however many tensors share it."""
+    steps = _steps(len(global_shape), mesh_shape, coordinate, placements, shard_order, None)
+    runs = _dim_runs(global_shape, mesh_shape, coordinate, steps)
+    return _pieces(runs), tuple(_length(r) for r in runs)
 
 
 def _steps(

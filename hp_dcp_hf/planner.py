@@ -136,6 +136,8 @@ class HFMappingPlanner(LoadPlanner):
             many ranks gives each its own); by default the ranks tell each other, collectively.
         trace: read exactly the needed boxes (default). ``False`` is the legacy pattern: read whole
             checkpoint tensors, convert in memory, keep the local part; the reference to compare with.
+        share_structure: trace each structurally identical group once (see :class:`Composition`);
+            ``False`` traces every group, the reference the shared plan is tested against.
     """
 
     def __init__(
@@ -149,8 +151,10 @@ class HFMappingPlanner(LoadPlanner):
         trace: bool = True,
         composition: Composition | None = None,
         replicas: ReplicaGroups | None = None,
+        share_structure: bool = True,
     ) -> None:
         self.model = model
+        self.share_structure = share_structure
         self.replicas = replicas
         self.trace = trace
         self.weights_mapping = weights_mapping
@@ -250,6 +254,7 @@ class HFMappingPlanner(LoadPlanner):
             self._finish_deferred(target)
 
     # -- planning -----------------------------------------------------------------------------
+    @torch.no_grad()  # local shards are taken as they are, not through autograd
     def plan_reads(self, state_dict: Mapping[str, Any], metadata: Metadata) -> list[ReadItem]:
         """Validate everything and return this rank's ReadItems (no byte is read or written)."""
         planner_data = metadata.planner_data if isinstance(metadata.planner_data, Mapping) else {}
@@ -278,6 +283,7 @@ class HFMappingPlanner(LoadPlanner):
             config=getattr(self.model, "config", None),
             base_model_prefix=getattr(self.model, "base_model_prefix", None),
             trace=self.trace,
+            share_structure=self.share_structure,
         )
         self.composition = composition
 
@@ -356,8 +362,8 @@ class HFMappingPlanner(LoadPlanner):
             for key in traced.source_keys():
                 if not _castable(sources[key].dtype, tensor.dtype):
                     problems.append(f"{target}: cannot cast {key} ({sources[key].dtype}) to {tensor.dtype}")
-            if not isinstance(traced, Opaque) and sum(p.numel for p in traced.pieces) != tensor.numel():
-                problems.append(f"{target}: the conversion covers {sum(p.numel for p in traced.pieces)} "
+            if not isinstance(traced, Opaque) and traced.structure.covered != tensor.numel():
+                problems.append(f"{target}: the conversion covers {traced.structure.covered} "
                                 f"of {tensor.numel()} elements")
         if problems:
             raise MappingError(f"{len(problems)} model tensors do not match the checkpoint:\n  "
@@ -370,7 +376,6 @@ class HFMappingPlanner(LoadPlanner):
         quantized box costs its quantized bytes plus its scales)."""
         items: list[ReadItem] = []
         staged: set[str] = set()
-        source_ndim = {key: len(spec.shape) for key, spec in sources.items()}
         stats = PlanStats()
         self.shared = []
         self.progress = ReadProgress()
@@ -404,7 +409,7 @@ class HFMappingPlanner(LoadPlanner):
             local = local_tensor(tensor)
             first_item = len(items)
             for piece in pieces:
-                for block in read_blocks(traced, piece.global_box, piece.local_offsets, source_ndim):
+                for block in read_blocks(traced, piece.global_box, piece.local_offsets):
                     if block.key in self.quantized:
                         data, *scales = self._dequantization_items(target, local, block)
                         for item in (data, *scales):

@@ -156,7 +156,6 @@ class HFSavePlanner(SavePlanner):
         groups = alias_groups(self.model, list(state_dict))
         fill = sorted((next((n for n in g if n in composition.traced), g[0]) for g in groups), key=dot_natural_key)
         self._check_inverse(composition, state_dict, fill, specs)
-        source_ndim = {key: len(spec.shape) for key, spec in specs.items()}
         items: list[WriteItem] = []
         self._views.clear()
         self.bytes_planned = 0
@@ -167,7 +166,7 @@ class HFSavePlanner(SavePlanner):
                 continue
             local = local_tensor(tensor)
             for piece in local_shard_pieces(tensor, key=target):
-                for block in read_blocks(composition.traced[target], piece.global_box, piece.local_offsets, source_ndim):
+                for block in read_blocks(composition.traced[target], piece.global_box, piece.local_offsets):
                     spec = specs[block.key]
                     index = MetadataIndex(block.key, torch.Size(block.source_box.offsets))
                     items.append(WriteItem(index=index, type=WriteItemType.TENSOR, tensor_data=TensorWriteData(

@@ -2,10 +2,11 @@
 
 import torch
 
+from hp_dcp_hf.mapping.structure import Bound
 from hp_dcp_hf.mapping.symbolic import RegionTensor
 
 
-def materialize(traced: RegionTensor, sources: dict[str, torch.Tensor]) -> torch.Tensor:
+def materialize(traced: "RegionTensor | Bound", sources: dict[str, torch.Tensor]) -> torch.Tensor:
     """Copy every piece of ``traced`` out of ``sources``; unwritten elements stay NaN."""
     out = torch.full(tuple(traced.shape), float("nan"), dtype=torch.float64)
     for piece in traced.pieces:

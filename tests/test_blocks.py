@@ -6,12 +6,19 @@ from hypothesis import strategies as st
 
 from hp_dcp_hf.box import Box
 from hp_dcp_hf.mapping.blocks import read_blocks
-from hp_dcp_hf.mapping.symbolic import RegionTensor
+from hp_dcp_hf.mapping.structure import Bound, Structure
+
+
+def _traced(fn, specs: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> Bound:
+    """``fn`` traced over one slot per source, bound to the sources' keys."""
+    inputs = [Structure.source(shape, dtype).shifted(i) for i, (shape, dtype) in enumerate(specs.values())]
+    return Bound(Structure(fn(*inputs), tuple(len(shape) for shape, _ in specs.values())), tuple(specs))
 
 
 def _fill(traced, real, box):
     local = torch.full(box.sizes, float("nan"), dtype=torch.float64)
-    blocks = read_blocks(traced, box, (0,) * box.ndim, {k: v.ndim for k, v in real.items()})
+    blocks = read_blocks(traced, box, (0,) * box.ndim)
+    assert read_blocks(traced, box, (0,) * box.ndim) == blocks  # the second time from the structure's cache
     for block in blocks:
         src = real[block.key][block.source_box.slices()]
         assert tuple(src.shape) == tuple(a.size for a in block.view)
@@ -42,7 +49,7 @@ CASES = {
 def test_blocks_fill_random_boxes(name, data):
     shapes, fn = CASES[name]
     real = {f"k{i}": torch.randn(s, dtype=torch.float64) for i, s in enumerate(shapes)}
-    traced = fn(*(RegionTensor.source(k, v.shape, v.dtype) for k, v in real.items()))
+    traced = _traced(fn, {k: (tuple(v.shape), v.dtype) for k, v in real.items()})
     full = fn(*real.values())
     offsets, sizes = [], []
     for length in full.shape:
@@ -57,14 +64,14 @@ def test_blocks_fill_random_boxes(name, data):
 
 def test_contiguous_shard_of_fused_qkv_is_one_block_per_source():
     shapes, fn = CASES["qkv"]
-    traced = fn(*(RegionTensor.source(f"k{i}", s, torch.float32) for i, s in enumerate(shapes)))
-    blocks = read_blocks(traced, Box((6, 0), (5, 6)), (0, 0), {"k0": 2, "k1": 2, "k2": 2})
+    traced = _traced(fn, {f"k{i}": (s, torch.float32) for i, s in enumerate(shapes)})
+    blocks = read_blocks(traced, Box((6, 0), (5, 6)), (0, 0))
     assert [(b.key, b.source_box) for b in blocks] == [("k0", Box((6, 0), (2, 6))), ("k1", Box((0, 0), (3, 6)))]
 
 
 def test_rope_shard_reads_its_rows_once_in_pairs():
     shapes, fn = CASES["rope"]
-    traced = fn(RegionTensor.source("k0", shapes[0], torch.float32))
-    blocks = read_blocks(traced, Box((8, 0), (8, 6)), (0, 0), {"k0": 2})
+    traced = _traced(fn, {"k0": (shapes[0], torch.float32)})
+    blocks = read_blocks(traced, Box((8, 0), (8, 6)), (0, 0))
     assert sorted(b.source_box.offsets[0] for b in blocks) == [8, 10, 12, 14]
     assert {b.source_box.sizes for b in blocks} == {(2, 6)}

@@ -16,7 +16,7 @@ from transformers.core_model_loading import (
 
 from hp_dcp_hf.errors import MappingError
 from hp_dcp_hf.mapping.compose import Composition, Opaque, TensorSpec
-from hp_dcp_hf.mapping.symbolic import RegionTensor
+from hp_dcp_hf.mapping.structure import Bound
 from tests.symbolic_check import materialize
 
 
@@ -52,7 +52,7 @@ def _compose(model, ckpt, stages, final_names, **kwargs):
 def _check_traced_equals_real(composition, ckpt):
     real = composition.evaluate(list(composition.traced), ckpt.__getitem__)
     for name, traced in composition.traced.items():
-        assert isinstance(traced, RegionTensor), name
+        assert isinstance(traced, Bound), name
         assert torch.equal(materialize(traced, ckpt), real[name].double()), name
     return real
 

@@ -43,6 +43,7 @@ from tests.families import (
     load_family_reference,
     save_family_model,
 )
+from tests.test_structure import assert_same_plans
 
 SHARD_SIZE = "100KB"
 
@@ -155,3 +156,10 @@ def test_family_loads_bit_identical(
     )
     assert not report.missing_keys
     assert_state_dicts_identical(model.state_dict(), family_reference)
+
+
+def test_structure_sharing_plans_item_by_item(family_checkpoint: FamilyCheckpoint) -> None:
+    """Every family's plan traced once per structure equals its plan traced group by group."""
+    model = build_family_model(family_checkpoint.model_type)
+    metadata = hp_dcp_hf.HFStorageReader(str(family_checkpoint.path)).read_metadata()
+    assert_same_plans(model, metadata)

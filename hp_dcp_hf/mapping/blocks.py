@@ -9,7 +9,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from hp_dcp_hf.box import Box
-from hp_dcp_hf.mapping.symbolic import Axis, Piece, RegionTensor, restrict
+from hp_dcp_hf.mapping.structure import Bound, Structure, slot_of
+from hp_dcp_hf.mapping.symbolic import Axis, Piece, restrict
 
 
 @dataclass(frozen=True)
@@ -61,18 +62,29 @@ def _as_blocks(piece: Piece, src_ndim: int) -> list[ReadBlock]:
     ]
 
 
-def read_blocks(
-    traced: RegionTensor, global_box: Box, local_offsets: Sequence[int], source_ndim: dict[str, int]
-) -> list[ReadBlock]:
-    """The reads that fill the part ``global_box`` of a target, held at ``local_offsets`` locally."""
+def read_blocks(traced: Bound, global_box: Box, local_offsets: Sequence[int]) -> list[ReadBlock]:
+    """The reads that fill the part ``global_box`` of a target, held at ``local_offsets`` locally.
+
+    Computed once per structure and shard box (every layer alike), then bound to the target's keys.
+    """
+    structure = traced.structure
+    cache_key = (global_box, tuple(local_offsets))
+    blocks = structure.blocks.get(cache_key)
+    if blocks is None:
+        blocks = structure.blocks[cache_key] = _slot_blocks(structure, global_box, local_offsets)
+    keys = traced.keys
+    return [replace(block, key=keys[slot_of(block.key)]) for block in blocks]
+
+
+def _slot_blocks(structure: Structure, global_box: Box, local_offsets: Sequence[int]) -> list[ReadBlock]:
     blocks = []
-    for piece in traced.pieces:
+    for piece in structure.tensor.pieces:
         parts = [piece]
         for dim, (lo, size) in enumerate(zip(global_box.offsets, global_box.sizes)):
             parts = [q for p in parts for q in restrict(p, dim, lo, lo + size)]
         for part in parts:
             origin = tuple(o - g + loc for o, g, loc in zip(part.origin, global_box.offsets, local_offsets))
-            blocks.extend(_as_blocks(replace(part, origin=origin), source_ndim[part.key]))
+            blocks.extend(_as_blocks(replace(part, origin=origin), structure.slot_ndims[slot_of(part.key)]))
     return blocks
 
 

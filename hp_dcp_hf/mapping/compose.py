@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 from transformers.core_model_loading import (
-    WeightConverter,
     WeightRenaming,
     WeightTransform,
     dot_natural_key,
@@ -27,6 +26,8 @@ from transformers.core_model_loading import (
 )
 
 from hp_dcp_hf.errors import MappingError
+from hp_dcp_hf.mapping.families import StageRenamer, Template, family, renamer_chain, split_kinds
+from hp_dcp_hf.mapping.structure import Bound, Structure
 from hp_dcp_hf.mapping.symbolic import RegionTensor, UntraceableOp
 
 logger = logging.getLogger(__name__)
@@ -54,14 +55,18 @@ class Opaque:
         return set(self.sources)
 
 
-Traced = RegionTensor | Opaque
+Traced = Bound | Opaque
 
 
 @dataclass
 class Group:
-    """One transform of one stage with the tensors it collected, as transformers groups them."""
+    """One transform of one stage with the tensors it collected, as transformers groups them.
 
-    transform: WeightTransform
+    ``transform`` is None for a plain rename of one key (made only when the group runs for real:
+    a large checkpoint has tens of thousands).
+    """
+
+    transform: WeightTransform | None
     first_target: str
     inputs: list[tuple[str, str, str]] = field(default_factory=list)  # (renamed, source, pattern)
     outputs: tuple[str, ...] = ()
@@ -70,9 +75,15 @@ class Group:
     def sources(self) -> list[str]:
         return [source for _, source, _ in self.inputs]
 
+    def describe(self) -> str:
+        return str(self.transform or f"rename {self.inputs[0][1]} -> {self.first_target}")
+
     def run(self, fetch: Callable[[str], Any], *, model: Any, config: Any) -> dict[str, Any]:
         """Run the transform's real ``convert`` on whatever ``fetch`` returns for each source."""
-        transform = copy.deepcopy(self.transform)
+        if self.transform is None:
+            transform: WeightTransform = WeightRenaming(self.inputs[0][1], self.first_target)
+        else:
+            transform = copy.deepcopy(self.transform)
         for renamed, source, pattern in self.inputs:
             transform.add_tensor(renamed, source, pattern, partial(fetch, source))
         out = transform.convert(self.first_target, model=model, config=config)
@@ -96,17 +107,18 @@ class _LaterStages:
         later_stages: Sequence[WeightMapping],
         later_shapes: Sequence[Mapping[str, Sequence[int]]],
         model: Any,
+        share: bool = True,
     ) -> None:
         self._final = final_names
-        self._later = [_split_kinds(copy.deepcopy(list(stage))) for stage in later_stages]
+        stages = [copy.deepcopy(list(stage)) for stage in later_stages]
+        self._later = [split_kinds(stage) for stage in stages]
+        self._rename = renamer_chain(stages, share) if stages else None
         self._shapes = later_shapes
         self._model = model
 
     def __contains__(self, name: object) -> bool:
         assert isinstance(name, str)
-        for renamings, converters in self._later:
-            name, _ = rename_source_key(name, renamings, converters)
-        return name in self._final
+        return (name if self._rename is None else self._rename(name)) in self._final
 
     def get(self, name: str, default: Any = None) -> Any:
         return True if name in self else default
@@ -129,38 +141,110 @@ class _LaterStages:
                                key=name) from e
 
 
-def _split_kinds(stage: Sequence[WeightTransform]) -> tuple[list[WeightRenaming], list[WeightConverter]]:
-    return (
-        [t for t in stage if isinstance(t, WeightRenaming)],
-        [t for t in stage if isinstance(t, WeightConverter)],
-    )
-
-
 def group_stage(
     names: Sequence[str],
     stage: WeightMapping,
     known: _LaterStages,
     base_model_prefix: str | None,
+    *,
+    share: bool = True,
 ) -> tuple[list[Group], list[str]]:
-    """Group ``names`` by the transform that consumes them; also return the names nothing wants."""
-    renamings, converters = _split_kinds(stage)
-    by_pattern = {pattern: converter for converter in converters for pattern in converter.source_patterns}
+    """Group ``names`` by the transform that consumes them; also return the names nothing wants.
+
+    ``share``: rename and sort per key family where the stage allows (see :mod:`families`).
+    """
+    renamer = StageRenamer(stage, prefix=base_model_prefix, known=known, share=share)
+    by_pattern = {pattern: converter for converter in split_kinds(stage)[1] for pattern in converter.source_patterns}
+    parsed = [(name, *family(name)) for name in names]
+    if share:
+        natural = renamer.natural_keys
+        parsed.sort(key=lambda entry: natural(entry[1], entry[2]))
+    else:
+        parsed.sort(key=lambda entry: dot_natural_key(entry[0]))
     groups: dict[str, Group] = {}
     dropped = []
-    for name in sorted(names, key=dot_natural_key):
-        renamed, pattern = rename_source_key(name, renamings, converters, base_model_prefix, known)
-        if renamed not in known and name in known:
+    for name, skeleton, indices in parsed:
+        renamed, pattern, templated = renamer(name, skeleton, indices)
+        found = renamed in known
+        if not found and templated:
+            renamed, pattern = renamer.real(name)
+            found = renamed in known
+        if not found and name in known:
             renamed, pattern = rename_source_key(name, [], [], base_model_prefix, known)
-        if renamed not in known:
+            found = renamed in known
+        if not found:
             dropped.append(name)
             continue
-        if pattern is not None:
-            group = groups.setdefault(renamed, Group(by_pattern[pattern], renamed))
-        else:
-            group = groups.setdefault(renamed, Group(WeightRenaming(name, renamed), renamed))
-            pattern = name
-        group.inputs.append((renamed, name, pattern))
+        group = groups.get(renamed)
+        if group is None:
+            group = groups[renamed] = Group(None if pattern is None else by_pattern[pattern], renamed)
+        group.inputs.append((renamed, name, name if pattern is None else pattern))
     return list(groups.values()), dropped
+
+
+class _QueryLog:
+    """The model as a conversion op sees it, recording what the op asks: a traced structure is
+    reused for another group only where the same questions get the same answers."""
+
+    def __init__(self, model: Any) -> None:
+        self._model = model
+        self.queries: list[tuple[str, str, Any]] = []
+        self.other = False  # asked something not recorded: the trace cannot be reused
+
+    @staticmethod
+    def answer(model: Any, kind: str, name: str) -> Any:
+        if kind == "parameter":
+            tensor = model.get_parameter(name)
+            return tuple(tensor.shape), tensor.dtype
+        return name in model
+
+    def get_parameter(self, name: str) -> Any:
+        tensor = self._model.get_parameter(name)
+        self.queries.append(("parameter", name, (tuple(tensor.shape), tensor.dtype)))
+        return tensor
+
+    def __contains__(self, name: object) -> bool:
+        found = name in self._model
+        self.queries.append(("contains", str(name), found))
+        return found
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return True if name in self else default
+
+    def __getattr__(self, attribute: str) -> Any:
+        self.other = True
+        return getattr(self._model, attribute)
+
+
+@dataclass(frozen=True)
+class _SharedTrace:
+    """One group's trace, to bind to every group with the same signature: output names and the
+    model's answers as templates over the first target's indices."""
+
+    outputs: tuple[tuple[Template, Structure], ...]
+    queries: tuple[tuple[str, Template, Any], ...]
+
+    @classmethod
+    def of(cls, first_target: str, structures: Mapping[str, Structure], log: _QueryLog) -> _SharedTrace | None:
+        if log.other:
+            return None
+        indices = family(first_target)[1]
+        outputs = tuple((Template.of(name, indices), s) for name, s in structures.items())
+        queries = tuple((kind, Template.of(name, indices), answer) for kind, name, answer in log.queries)
+        if any(t is None for t, _ in outputs) or any(t is None for _, t, _ in queries):
+            return None
+        return cls(outputs, queries)  # type: ignore[arg-type]
+
+    def bind(self, first_target: str, keys: tuple[str, ...], model: Any) -> dict[str, Traced] | None:
+        indices = family(first_target)[1]
+        for kind, name, answer in self.queries:
+            if _QueryLog.answer(model, kind, name.fill(indices)) != answer:
+                return None
+        return {name.fill(indices): Bound(structure, keys) for name, structure in self.outputs}
+
+
+def _itself(key: str) -> frozenset[str]:
+    return frozenset((key,))
 
 
 class Composition:
@@ -176,6 +260,9 @@ class Composition:
         base_model_prefix: added or stripped on the first stage, as transformers does.
         trace: plan in index space; ``False`` treats every conversion as untraceable (the legacy
             loader: whole source tensors, real ops in memory).
+        share_structure: rename once per key family and trace once per structure (every layer's
+            experts alike), binding keys; ``False`` renames every key and traces every group, the
+            reference the shared path is tested against.
     """
 
     def __init__(
@@ -189,29 +276,33 @@ class Composition:
         config: Any = None,
         base_model_prefix: str | None = None,
         trace: bool = True,
+        share_structure: bool = True,
     ) -> None:
         self.trace = trace
+        self.share_structure = share_structure
         self.stages = [list(stage) for stage in stages] or [[]]
         shapes = [*stage_shapes, *([{}] * (len(self.stages) - len(stage_shapes)))]
         # views[i]: the model as stage i's ops and renaming see it (the real one for the last stage)
         self.views = [
-            _LaterStages(final_names, self.stages[i + 1 :], shapes[i + 1 :], model) for i in range(len(self.stages))
+            _LaterStages(final_names, self.stages[i + 1 :], shapes[i + 1 :], model, share_structure)
+            for i in range(len(self.stages))
         ]
         self.sources = dict(sources)
         self._model = model
         self._config = config
+        self._shared: dict[Any, _SharedTrace | None] = {}  # group signature -> its trace to bind
+        self._source_structures: dict[tuple[tuple[int, ...], torch.dtype], Structure] = {}
         self.levels: list[dict[str, Group]] = []  # levels[i][name]: the group of stage i making name
         self.dropped: list[str] = []  # checkpoint keys the first stage does not use
-        traced: dict[str, Traced] = {
-            key: RegionTensor.source(key, spec.shape, spec.dtype) for key, spec in self.sources.items()
-        }
+        names: list[str] = list(self.sources)
+        lookup: Callable[[str], Traced] = self._source
         # The checkpoint keys each name is made of, by the groups that made it (a zero-element
         # tensor has no region to name its sources by).
-        lineage: dict[str, frozenset[str]] = {key: frozenset((key,)) for key in self.sources}
+        lineage: Callable[[str], frozenset[str]] = _itself
         for index, stage in enumerate(self.stages):
             known = self.views[index]
             prefix = base_model_prefix if index == 0 else None
-            groups, dropped = group_stage(list(traced), stage, known, prefix)
+            groups, dropped = group_stage(names, stage, known, prefix, share=share_structure)
             if index == 0:
                 self.dropped = dropped
             model_for_ops = model if index == len(self.stages) - 1 else known
@@ -219,44 +310,80 @@ class Composition:
             producers: dict[str, Group] = {}
             made_of: dict[str, frozenset[str]] = {}
             for group in groups:
-                deps = frozenset().union(*(lineage[s] for s in group.sources))
-                outputs = self._trace_group(group, traced, model_for_ops, deps)
+                deps = frozenset().union(*(lineage(s) for s in group.sources))
+                outputs = self._trace_group(index, group, [lookup(s) for s in group.sources], model_for_ops, deps)
                 group.outputs = tuple(outputs)
                 for name, value in outputs.items():
                     producers[name] = group
                     produced[name] = value
                     made_of[name] = deps
             self.levels.append(producers)
-            traced, lineage = produced, made_of
-        self.traced: dict[str, Traced] = {n: v for n, v in traced.items() if n in final_names}
-        self._lineage = {n: lineage[n] for n in self.traced}
+            names, lookup, lineage = list(produced), produced.__getitem__, made_of.__getitem__
+        self.traced: dict[str, Traced] = {n: v for n, v in produced.items() if n in final_names}
+        self._lineage = {n: made_of[n] for n in self.traced}
         self.used_transforms = [t for stage in self.stages for t in stage if t.was_used()]
 
+    def _source(self, key: str) -> Bound:
+        spec = self.sources[key]
+        shape = tuple(spec.shape)
+        structure = self._source_structures.get((shape, spec.dtype))
+        if structure is None:
+            structure = self._source_structures[(shape, spec.dtype)] = Structure.source(shape, spec.dtype)
+        return Bound(structure, (key,))
+
     def _trace_group(
-        self, group: Group, inputs: Mapping[str, Traced], model: Any, deps: frozenset[str]
+        self, index: int, group: Group, values: Sequence[Traced], model: Any, deps: frozenset[str]
     ) -> dict[str, Traced]:
-        values = [inputs[s] for s in group.sources]
-        if self.trace and all(isinstance(v, RegionTensor) for v in values):
+        if self.trace and all(isinstance(v, Bound) for v in values):
+            if group.transform is None:  # a plain rename: the tensor itself under a new name
+                return {group.first_target: values[0]}
             try:
-                return group.run(inputs.__getitem__, model=model, config=self._config)
+                return self._traced(index, group, values, model)  # type: ignore[arg-type]
             except (UntraceableOp, NotImplementedError, TypeError, AttributeError) as exc:
-                logger.info("Deferring %s: %s cannot be traced (%s)", group.first_target, group.transform, exc)
+                logger.info("Deferring %s: %s cannot be traced (%s)", group.first_target, group.describe(), exc)
             except (ValueError, IndexError, RuntimeError) as exc:
-                raise self._failure(group, inputs, exc) from exc
+                raise self._failure(group, values, exc) from exc
         try:
             shapes = group.run(
-                lambda s: torch.empty(tuple(inputs[s].shape), dtype=inputs[s].dtype, device="meta"),
+                dict(zip(group.sources, (torch.empty(tuple(v.shape), dtype=v.dtype, device="meta")
+                                         for v in values))).__getitem__,
                 model=model, config=self._config,
             )
         except MappingError:
             raise
         except Exception as exc:  # the real op rejects these inputs: the mapping does not compose
-            raise self._failure(group, inputs, exc) from exc
+            raise self._failure(group, values, exc) from exc
         return {name: Opaque(t.shape, t.dtype, deps) for name, t in shapes.items()}
 
-    def _failure(self, group: Group, inputs: Mapping[str, Traced], exc: Exception) -> MappingError:
-        shapes = ", ".join(f"{s} {tuple(inputs[s].shape)}" for s in group.sources)
-        return MappingError(f"{group.transform} cannot convert [{shapes}]: {exc}", key=group.first_target)
+    def _traced(self, index: int, group: Group, values: Sequence[Bound], model: Any) -> dict[str, Traced]:
+        """The group's outputs traced: bound to a structure traced already for an identical group
+        (same stage and transform, same target family, same patterns and input structures), or
+        traced now over slots."""
+        keys = tuple(key for value in values for key in value.keys)
+        signature = (index, id(group.transform), family(group.first_target)[0],
+                     tuple(pattern for _, _, pattern in group.inputs), tuple(id(v.structure) for v in values))
+        shared = self._shared.get(signature) if self.share_structure else None
+        if shared is not None:
+            outputs = shared.bind(group.first_target, keys, model)
+            if outputs is not None:
+                return outputs
+        inputs, offset = {}, 0
+        for source, value in zip(group.sources, values):
+            inputs[source] = value.structure.shifted(offset)
+            offset += len(value.keys)
+        log = _QueryLog(model)
+        out = group.run(inputs.__getitem__, model=log, config=self._config)
+        if not all(isinstance(t, RegionTensor) for t in out.values()):
+            raise UntraceableOp(f"{group.describe()} returns tensors that are not traced")
+        slot_ndims = tuple(n for value in values for n in value.structure.slot_ndims)
+        structures = {name: Structure(t, slot_ndims) for name, t in out.items()}
+        if self.share_structure and signature not in self._shared:
+            self._shared[signature] = _SharedTrace.of(group.first_target, structures, log)
+        return {name: Bound(structure, keys) for name, structure in structures.items()}
+
+    def _failure(self, group: Group, values: Sequence[Traced], exc: Exception) -> MappingError:
+        shapes = ", ".join(f"{s} {tuple(v.shape)}" for s, v in zip(group.sources, values))
+        return MappingError(f"{group.describe()} cannot convert [{shapes}]: {exc}", key=group.first_target)
 
     def source_keys(self, name: str) -> set[str]:
         """Checkpoint keys final target ``name`` is made of (every input of the groups that made

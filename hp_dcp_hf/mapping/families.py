@@ -1,0 +1,163 @@
+"""Key families: names that differ only by their integer components (``layers.3.mlp.experts.17``).
+
+A checkpoint of a large MoE holds tens of thousands of keys but a few dozen families. Renaming
+with transformers' patterns, and sorting the way transformers sorts, cost per key; both depend on
+a family's literal text alone when the patterns cannot tell indices apart, so they are computed
+once per family and the indices substituted. Pure string logic, no torch.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from transformers.core_model_loading import (
+    WeightConverter,
+    WeightRenaming,
+    WeightTransform,
+    dot_natural_key,
+    rename_source_key,
+)
+
+# A whole dot-separated component that is a decimal integer (``w1`` and ``shard_2`` stay literal,
+# as transformers' natural sort treats them).
+_INDEX = re.compile(r"(?<![^.])(\d+)(?![^.])")
+_SLOT = "\0"
+
+
+def family(name: str) -> tuple[str, tuple[int, ...]]:
+    """``name`` as its family (integer components replaced by a slot marker) and its indices."""
+    parts = _INDEX.split(name)
+    return _SLOT.join(parts[0::2]), tuple(int(i) for i in parts[1::2])
+
+
+@dataclass(frozen=True)
+class Template:
+    """A name with slots: ``texts[0] + str(indices[slots[0]]) + texts[1] + ...``."""
+
+    texts: tuple[str, ...]
+    slots: tuple[int, ...]
+
+    @classmethod
+    def of(cls, name: str, indices: Sequence[int]) -> Template | None:
+        """``name`` with each integer component that is one of ``indices`` made a slot of it; None
+        when that is ambiguous (repeated indices) or ``name`` holds an integer not among them."""
+        if len(set(indices)) != len(indices):
+            return None
+        where = {index: slot for slot, index in enumerate(indices)}
+        parts = _INDEX.split(name)
+        slots = tuple(where.get(int(i), -1) for i in parts[1::2])
+        if -1 in slots:
+            return None
+        return cls(tuple(parts[0::2]), slots)
+
+    def fill(self, indices: Sequence[int]) -> str:
+        texts = self.texts
+        out = [texts[0]]
+        for position, slot in enumerate(self.slots):
+            out.append(str(indices[slot]))
+            out.append(texts[position + 1])
+        return "".join(out)
+
+
+class NaturalKeys:
+    """transformers' ``dot_natural_key``, computed once per family and filled with the indices."""
+
+    def __init__(self) -> None:
+        self._families: dict[str, tuple[list[Any], tuple[int, ...]]] = {}
+
+    def __call__(self, skeleton: str, indices: Sequence[int]) -> list[Any]:
+        entry = self._families.get(skeleton)
+        if entry is None:
+            # Distinct sentinels locate each slot's (0, index) entry in the family's key.
+            sentinels = [10**12 + slot for slot in range(len(indices))]
+            key = dot_natural_key(Template(tuple(skeleton.split(_SLOT)), tuple(range(len(indices)))).fill(sentinels))
+            positions = tuple(next(p for p, part in enumerate(key) if part == (0, s)) for s in sentinels)
+            entry = self._families[skeleton] = (key, positions)
+        key, positions = entry
+        if not positions:
+            return key
+        filled = list(key)
+        for position, index in zip(positions, indices):
+            filled[position] = (0, index)
+        return filled
+
+
+def _index_blind(stage: Sequence[WeightTransform]) -> bool:
+    """Whether the stage renames every member of a family alike: its source patterns and scopes
+    name no particular index, and no transform renames statefully (``GroupWeightRename``)."""
+    for transform in stage:
+        if type(transform).rename_source_key is not WeightTransform.rename_source_key:
+            return False
+        texts = [*transform.source_patterns, transform.scope_prefix or ""]
+        if any(re.search(r"(?<!\\)\d|\\d(?![+*])", text) for text in texts):
+            return False
+    return True
+
+
+def split_kinds(stage: Sequence[WeightTransform]) -> tuple[list[WeightRenaming], list[WeightConverter]]:
+    return (
+        [t for t in stage if isinstance(t, WeightRenaming)],
+        [t for t in stage if isinstance(t, WeightConverter)],
+    )
+
+
+_UNSEEN = object()
+
+
+class StageRenamer:
+    """transformers' ``rename_source_key`` for one stage, per family where the stage allows.
+
+    A family's template comes from the first member the stage maps into ``known`` (or any member
+    when there is no ``known``) and is checked against a real rename of the next member. The caller
+    renames for real a templated name that turns out not to be ``known``. ``share=False`` renames
+    every key for real.
+    """
+
+    def __init__(self, stage: Sequence[WeightTransform], *, prefix: str | None = None,
+                 known: Any = None, share: bool = True) -> None:
+        self._renamings, self._converters = split_kinds(stage)
+        self._prefix, self._known = prefix, known
+        self._share = share and _index_blind(stage)
+        self._templates: dict[str, Any] = {}  # skeleton -> (Template, pattern, checked) or None
+        self.natural_keys = NaturalKeys()
+
+    def real(self, name: str) -> tuple[str, str | None]:
+        return rename_source_key(name, self._renamings, self._converters, self._prefix, self._known)
+
+    def __call__(self, name: str, skeleton: str, indices: tuple[int, ...]) -> tuple[str, str | None, bool]:
+        """``(renamed, pattern, templated)``: ``templated`` when the name was filled in a template."""
+        if not self._share or not indices:
+            return *self.real(name), False
+        entry = self._templates.get(skeleton, _UNSEEN)
+        if entry is None:
+            return *self.real(name), False
+        if entry is _UNSEEN:
+            renamed, pattern = self.real(name)
+            # A member with repeated indices cannot tell which slot an integer came from: wait for another.
+            if len(set(indices)) == len(indices) and (self._known is None or renamed in self._known):
+                template = Template.of(renamed, indices)
+                self._templates[skeleton] = None if template is None else (template, pattern, False)
+            return renamed, pattern, False
+        template, pattern, checked = entry
+        renamed = template.fill(indices)
+        if not checked:
+            actual = self.real(name)
+            self._templates[skeleton] = (template, pattern, True) if actual == (renamed, pattern) else None
+            return *actual, False
+        return renamed, pattern, True
+
+
+def renamer_chain(stages: Sequence[Sequence[WeightTransform]], share: bool) -> Callable[[str], str]:
+    """A name through the renaming of ``stages`` (no prefix logic, no model): what later stages
+    make of a name."""
+    renamers = [StageRenamer(stage, share=share) for stage in stages]
+
+    def rename(name: str) -> str:
+        for renamer in renamers:
+            name = renamer(name, *family(name))[0]
+        return name
+
+    return rename

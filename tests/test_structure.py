@@ -1,0 +1,70 @@
+"""Structure sharing: the plan traced once per structure equals the plan traced group by group.
+
+The shared path renames once per key family, traces each structurally identical group once and
+caches each structure's blocks per shard box; ``share_structure=False`` does every key and group
+on its own. Both must give the same ReadItems, in the same order, with the same destinations.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hp_dcp_hf import HFMappingPlanner, HFStorageReader
+from hp_dcp_hf.mapping.structure import Bound
+from hp_dcp_hf.toolkit import _fake_rank, _register_fake_backend
+from hp_dcp_hf.transforms import fuse_qkv, grouped_gemm_experts
+from tests.dist.layouts import apply_layout
+from tests.models import MODEL_TYPES, build_model
+
+WORLD = 4
+LAYOUTS = ("shard0", "shard_last", "strided", "fsdp_tp")
+
+
+def plan_of(model: torch.nn.Module, metadata, *, share_structure: bool) -> dict:
+    """Everything a plan decides: items in order, each item's destination view, counts, report."""
+    planner = HFMappingPlanner(model, share_structure=share_structure)
+    items = planner.plan_reads(model.state_dict(), metadata)
+    views = [(v.tensor.untyped_storage().data_ptr(), v.sizes, v.strides, v.offset) for v in map(planner._destinations.get, items) if v]
+    structures = {id(t.structure) for t in planner.composition.traced.values() if isinstance(t, Bound)}
+    return {"items": items, "views": views, "stats": planner.stats, "report": planner.report,
+            "deferred": sorted(planner._deferred), "structures": len(structures)}
+
+
+def assert_same_plans(model: torch.nn.Module, metadata) -> tuple[int, int]:
+    """The shared and per-group plans agree; the number of structures each traced."""
+    shared = plan_of(model, metadata, share_structure=True)
+    per_group = plan_of(model, metadata, share_structure=False)
+    assert shared["items"], "nothing planned"
+    for part in ("items", "views", "stats", "report", "deferred"):
+        assert shared[part] == per_group[part], part
+    return shared["structures"], per_group["structures"]
+
+
+@pytest.fixture(scope="module")
+def fake_world():
+    _register_fake_backend()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_sharded_plans_item_by_item(model_type, layout, tiny_checkpoints, fake_world):
+    metadata = HFStorageReader(tiny_checkpoints(model_type, torch.float32).path).read_metadata()
+    for rank in (0, WORLD - 1):
+        with _fake_rank(rank, WORLD):
+            model = build_model(model_type)
+            apply_layout(model, layout, WORLD)
+            assert_same_plans(model, metadata)
+
+
+@pytest.mark.parametrize("rewrites", [(fuse_qkv,), (fuse_qkv, grouped_gemm_experts)], ids=["qkv", "qkv+experts"])
+def test_rewritten_plans_item_by_item(rewrites, tiny_checkpoints, fake_world):
+    metadata = HFStorageReader(tiny_checkpoints("mixtral", torch.float32).path).read_metadata()
+    for rank in range(WORLD):
+        with _fake_rank(rank, WORLD):
+            model = build_model("mixtral")
+            for rewrite in rewrites:
+                rewrite(model)
+            apply_layout(model, "fsdp_tp", WORLD)
+            shared, per_group = assert_same_plans(model, metadata)
+            assert shared < per_group  # every layer's experts and fused qkv: one structure each
