@@ -29,6 +29,7 @@ from hp_dcp_hf.errors import LayoutError, MappingError, MissingKeysError, Planni
 from hp_dcp_hf.layout import ShardPiece, local_shard_pieces, local_tensor
 from hp_dcp_hf.mapping.blocks import LocalView, ReadBlock, read_blocks
 from hp_dcp_hf.mapping.compose import Composition, Opaque, TensorSpec
+from hp_dcp_hf.mapping.families import natural_sorted
 from hp_dcp_hf.mapping.quantized import (
     BlockScaled,
     QuantizedTensor,
@@ -48,8 +49,6 @@ _STAGING_PREFIX = "hp_dcp_hf.staging/"
 _QUANTIZED_PREFIX = "hp_dcp_hf.quantized/"
 
 
-def _sorted(names: Collection[str]) -> tuple[str, ...]:
-    return tuple(sorted(names, key=dot_natural_key))
 
 
 @dataclass(frozen=True)
@@ -116,7 +115,7 @@ def alias_groups(model: Any, names: Collection[str]) -> list[tuple[str, ...]]:
     groups: dict[Any, list[str]] = defaultdict(list)
     for name in names:
         groups[ids.get(name, name)].append(name)
-    return [tuple(sorted(g, key=dot_natural_key)) for g in groups.values()]
+    return [tuple(g) if len(g) == 1 else tuple(sorted(g, key=dot_natural_key)) for g in groups.values()]
 
 
 class HFMappingPlanner(LoadPlanner):
@@ -271,7 +270,7 @@ class HFMappingPlanner(LoadPlanner):
         sources = dequantized_sources(stored, self.quantized, consumed)
         unknown = self.external_target_fqns - set(state_dict)
         if unknown:
-            raise PlanningError(f"external targets absent from the model: {_sorted(unknown)}")
+            raise PlanningError(f"external targets absent from the model: {natural_sorted(unknown)}")
         aliases = alias_groups(self.model, [n for n in state_dict if n not in self.external_target_fqns])
         wanted = {name for name in state_dict if name not in self.external_target_fqns}
         composition = self.composition or Composition(
@@ -296,13 +295,13 @@ class HFMappingPlanner(LoadPlanner):
                 loaded.update(group)
             else:
                 missing.update(group)
-        self.filled = _sorted(fill)
+        self.filled = natural_sorted(fill)
         self._validate(composition, state_dict, fill, sources)
         if missing and self.strict:
             raise MissingKeysError(f"the checkpoint makes no value for {len(missing)} model tensors: "
-                                   f"{list(_sorted(missing))}")
+                                   f"{list(natural_sorted(missing))}")
         used = set().union(*(composition.source_keys(n) for n in fill))
-        self.report = LoadReport(_sorted(loaded), _sorted(missing), _sorted(set(sources) - used))
+        self.report = LoadReport(natural_sorted(loaded), natural_sorted(missing), natural_sorted(set(sources) - used))
         items = self._make_items(composition, state_dict, fill, stored, sources, replicas)
         if isinstance(self.model, nn.Module):
             self.model._weight_conversions = composition.used_transforms
@@ -359,9 +358,11 @@ class HFMappingPlanner(LoadPlanner):
                 problems.append(f"{target}: model expects {tuple(tensor.shape)}, checkpoint makes "
                                 f"{tuple(traced.shape)} from {sorted(traced.source_keys())}")
                 continue
-            for key in traced.source_keys():
-                if not _castable(sources[key].dtype, tensor.dtype):
-                    problems.append(f"{target}: cannot cast {key} ({sources[key].dtype}) to {tensor.dtype}")
+            keys = traced.source_keys()
+            for dtype in {sources[key].dtype for key in keys}:  # per dtype: an MoE layer has thousands of keys
+                if not _castable(dtype, tensor.dtype):
+                    key = min(k for k in keys if sources[k].dtype == dtype)
+                    problems.append(f"{target}: cannot cast {key} ({dtype}) to {tensor.dtype}")
             if not isinstance(traced, Opaque) and traced.structure.covered != tensor.numel():
                 problems.append(f"{target}: the conversion covers {traced.structure.covered} "
                                 f"of {tensor.numel()} elements")
@@ -379,7 +380,7 @@ class HFMappingPlanner(LoadPlanner):
         stats = PlanStats()
         self.shared = []
         self.progress = ReadProgress()
-        for target in _sorted(fill):
+        for target in self.filled:
             tensor = state_dict[target]
             pieces = local_shard_pieces(tensor, key=target)
             if replicas is not None and not isinstance(composition.traced[target], Opaque):

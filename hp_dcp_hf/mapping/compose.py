@@ -15,7 +15,7 @@ import logging
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from transformers.core_model_loading import (
@@ -26,7 +26,7 @@ from transformers.core_model_loading import (
 )
 
 from hp_dcp_hf.errors import MappingError
-from hp_dcp_hf.mapping.families import StageRenamer, Template, family, renamer_chain, split_kinds
+from hp_dcp_hf.mapping.families import StageRenamer, Template, families, family, renamer_chain, split_kinds
 from hp_dcp_hf.mapping.structure import Bound, Structure
 from hp_dcp_hf.mapping.symbolic import RegionTensor, UntraceableOp
 
@@ -35,9 +35,8 @@ logger = logging.getLogger(__name__)
 WeightMapping = Sequence[WeightTransform]
 
 
-@dataclass(frozen=True)
-class TensorSpec:
-    """Shape and dtype of a tensor, without data."""
+class TensorSpec(NamedTuple):
+    """Shape and dtype of a tensor, without data (a tuple: checkpoints hold tens of thousands)."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
@@ -155,7 +154,7 @@ def group_stage(
     """
     renamer = StageRenamer(stage, prefix=base_model_prefix, known=known, share=share)
     by_pattern = {pattern: converter for converter in split_kinds(stage)[1] for pattern in converter.source_patterns}
-    parsed = [(name, *family(name)) for name in names]
+    parsed = [(name, skeleton, indices) for name, (skeleton, indices) in zip(names, families(names))]
     if share:
         natural = renamer.natural_keys
         parsed.sort(key=lambda entry: natural(entry[1], entry[2]))
@@ -243,10 +242,6 @@ class _SharedTrace:
         return {name.fill(indices): Bound(structure, keys) for name, structure in self.outputs}
 
 
-def _itself(key: str) -> frozenset[str]:
-    return frozenset((key,))
-
-
 class Composition:
     """All stages composed: for every final target, how it is made from checkpoint tensors.
 
@@ -291,14 +286,14 @@ class Composition:
         self._model = model
         self._config = config
         self._shared: dict[Any, _SharedTrace | None] = {}  # group signature -> its trace to bind
-        self._source_structures: dict[tuple[tuple[int, ...], torch.dtype], Structure] = {}
+        self._source_structures: dict[TensorSpec, Structure] = {}
         self.levels: list[dict[str, Group]] = []  # levels[i][name]: the group of stage i making name
         self.dropped: list[str] = []  # checkpoint keys the first stage does not use
         names: list[str] = list(self.sources)
         lookup: Callable[[str], Traced] = self._source
         # The checkpoint keys each name is made of, by the groups that made it (a zero-element
-        # tensor has no region to name its sources by).
-        lineage: Callable[[str], frozenset[str]] = _itself
+        # tensor has no region to name its sources by); a checkpoint key is made of itself.
+        lineage: Callable[[str], frozenset[str]] = self._no_lineage
         for index, stage in enumerate(self.stages):
             known = self.views[index]
             prefix = base_model_prefix if index == 0 else None
@@ -310,7 +305,8 @@ class Composition:
             producers: dict[str, Group] = {}
             made_of: dict[str, frozenset[str]] = {}
             for group in groups:
-                deps = frozenset().union(*(lineage(s) for s in group.sources))
+                sources = group.sources
+                deps = frozenset(sources) if index == 0 else frozenset().union(*(lineage(s) for s in sources))
                 outputs = self._trace_group(index, group, [lookup(s) for s in group.sources], model_for_ops, deps)
                 group.outputs = tuple(outputs)
                 for name, value in outputs.items():
@@ -323,12 +319,15 @@ class Composition:
         self._lineage = {n: made_of[n] for n in self.traced}
         self.used_transforms = [t for stage in self.stages for t in stage if t.was_used()]
 
+    @staticmethod
+    def _no_lineage(key: str) -> frozenset[str]:
+        raise AssertionError("a checkpoint key is its own lineage")
+
     def _source(self, key: str) -> Bound:
         spec = self.sources[key]
-        shape = tuple(spec.shape)
-        structure = self._source_structures.get((shape, spec.dtype))
+        structure = self._source_structures.get(spec)
         if structure is None:
-            structure = self._source_structures[(shape, spec.dtype)] = Structure.source(shape, spec.dtype)
+            structure = self._source_structures[spec] = Structure.source(spec.shape, spec.dtype)
         return Bound(structure, (key,))
 
     def _trace_group(

@@ -9,8 +9,9 @@ once per family and the indices substituted. Pure string logic, no torch.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field
+from itertools import islice
 from typing import Any
 
 from transformers.core_model_loading import (
@@ -23,14 +24,25 @@ from transformers.core_model_loading import (
 
 # A whole dot-separated component that is a decimal integer (``w1`` and ``shard_2`` stay literal,
 # as transformers' natural sort treats them).
-_INDEX = re.compile(r"(?<![^.])(\d+)(?![^.])")
+# Newlines bound components too, so that many names are parsed in one pass (:func:`families`).
+_INDEX = re.compile(r"(?<![^.\n])(\d+)(?![^.\n])")
 _SLOT = "\0"
 
 
 def family(name: str) -> tuple[str, tuple[int, ...]]:
     """``name`` as its family (integer components replaced by a slot marker) and its indices."""
     parts = _INDEX.split(name)
-    return _SLOT.join(parts[0::2]), tuple(int(i) for i in parts[1::2])
+    return _SLOT.join(parts[0::2]), tuple(map(int, parts[1::2]))
+
+
+def families(names: Sequence[str]) -> list[tuple[str, tuple[int, ...]]]:
+    """:func:`family` of every name, parsed in one regex pass over all of them."""
+    joined = "\n".join(names)
+    skeletons = _INDEX.sub(_SLOT, joined).split("\n")
+    if len(skeletons) != len(names) or _SLOT in joined:  # names that would confuse the joined parse
+        return [family(name) for name in names]
+    numbers = iter(map(int, _INDEX.findall(joined)))
+    return [(skeleton, tuple(islice(numbers, skeleton.count(_SLOT)))) for skeleton in skeletons]
 
 
 @dataclass(frozen=True)
@@ -39,6 +51,14 @@ class Template:
 
     texts: tuple[str, ...]
     slots: tuple[int, ...]
+    _format: str = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        escaped = [text.replace("{", "{{").replace("}", "}}") for text in self.texts]
+        fields = [escaped[0]]
+        for position, slot in enumerate(self.slots):
+            fields.append(f"{{{slot}}}{escaped[position + 1]}")
+        object.__setattr__(self, "_format", "".join(fields))
 
     @classmethod
     def of(cls, name: str, indices: Sequence[int]) -> Template | None:
@@ -54,35 +74,40 @@ class Template:
         return cls(tuple(parts[0::2]), slots)
 
     def fill(self, indices: Sequence[int]) -> str:
-        texts = self.texts
-        out = [texts[0]]
-        for position, slot in enumerate(self.slots):
-            out.append(str(indices[slot]))
-            out.append(texts[position + 1])
-        return "".join(out)
+        return self._format.format(*indices)
 
 
 class NaturalKeys:
     """transformers' ``dot_natural_key``, computed once per family and filled with the indices."""
 
     def __init__(self) -> None:
-        self._families: dict[str, tuple[list[Any], tuple[int, ...]]] = {}
+        self._families: dict[str, tuple[tuple[Any, ...], ...]] = {}
 
-    def __call__(self, skeleton: str, indices: Sequence[int]) -> list[Any]:
-        entry = self._families.get(skeleton)
-        if entry is None:
-            # Distinct sentinels locate each slot's (0, index) entry in the family's key.
-            sentinels = [10**12 + slot for slot in range(len(indices))]
-            key = dot_natural_key(Template(tuple(skeleton.split(_SLOT)), tuple(range(len(indices)))).fill(sentinels))
-            positions = tuple(next(p for p, part in enumerate(key) if part == (0, s)) for s in sentinels)
-            entry = self._families[skeleton] = (key, positions)
-        key, positions = entry
-        if not positions:
-            return key
-        filled = list(key)
-        for position, index in zip(positions, indices):
-            filled[position] = (0, index)
-        return filled
+    def __call__(self, skeleton: str, indices: Sequence[int]) -> tuple[Any, ...]:
+        chunks = self._families.get(skeleton)
+        if chunks is None:
+            chunks = self._families[skeleton] = self._chunks(skeleton, len(indices))
+        key = chunks[0]
+        for index, chunk in zip(indices, chunks[1:]):
+            key += ((0, index),) + chunk
+        return key
+
+    @staticmethod
+    def _chunks(skeleton: str, slots: int) -> tuple[tuple[Any, ...], ...]:
+        """The family's key cut at its slots (distinct sentinels locate each slot's ``(0, index)``)."""
+        sentinels = [10**12 + slot for slot in range(slots)]
+        key = dot_natural_key(Template(tuple(skeleton.split(_SLOT)), tuple(range(slots))).fill(sentinels))
+        cuts = [key.index((0, sentinel)) for sentinel in sentinels]
+        bounds = [-1, *cuts, len(key)]
+        return tuple(tuple(key[bounds[i] + 1 : bounds[i + 1]]) for i in range(slots + 1))
+
+
+def natural_sorted(names: Collection[str]) -> tuple[str, ...]:
+    """``names`` sorted by transformers' ``dot_natural_key``, computed per family."""
+    names = list(names)
+    natural = NaturalKeys()
+    keys = [natural(skeleton, indices) for skeleton, indices in families(names)]
+    return tuple(name for _, name in sorted(zip(keys, names)))
 
 
 def _index_blind(stage: Sequence[WeightTransform]) -> bool:

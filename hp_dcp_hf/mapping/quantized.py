@@ -327,6 +327,8 @@ def dequantized_sources(
 ) -> dict[str, TensorSpec]:
     """``sources`` as the conversions see them: each quantized tensor a float32 tensor of its
     values' shape, the keys read only through them gone."""
+    if not quantized and not consumed:
+        return dict(sources)
     out = {key: spec for key, spec in sources.items() if key not in consumed}
     out.update({key: TensorSpec(q.shape(sources), torch.float32) for key, q in quantized.items()})
     return out

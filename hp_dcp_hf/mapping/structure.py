@@ -9,10 +9,8 @@ per structure; symbolic ops never look at a piece's key, they only carry it, so 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from functools import cached_property
 from typing import Any
 
 import torch
@@ -60,12 +58,15 @@ class Structure:
         return RegionTensor(self.tensor.shape, pieces, self.tensor.dtype)
 
 
-@dataclass(frozen=True, eq=False)
 class Bound:
     """A :class:`Structure` with the checkpoint keys of its slots: a traced target of one group."""
 
-    structure: Structure
-    keys: tuple[str, ...]
+    __slots__ = ("structure", "keys", "_pieces")
+
+    def __init__(self, structure: Structure, keys: tuple[str, ...]) -> None:
+        self.structure = structure
+        self.keys = keys
+        self._pieces: tuple[Piece, ...] | None = None
 
     @property
     def shape(self) -> torch.Size:
@@ -75,16 +76,14 @@ class Bound:
     def dtype(self) -> torch.dtype:
         return self.structure.tensor.dtype
 
-    @property
-    def numel(self) -> int:
-        return math.prod(self.structure.tensor.shape)
-
     def source_keys(self) -> set[str]:
         """Checkpoint keys this tensor reads from."""
         return {self.keys[slot] for slot in self.structure.used_slots}
 
-    @cached_property
+    @property
     def pieces(self) -> tuple[Piece, ...]:
-        """The structure's pieces naming checkpoint keys."""
-        keys = self.keys
-        return tuple(replace(p, key=keys[slot_of(p.key)]) for p in self.structure.tensor.pieces)
+        """The structure's pieces naming checkpoint keys (made on first use)."""
+        if self._pieces is None:
+            keys = self.keys
+            self._pieces = tuple(replace(p, key=keys[slot_of(p.key)]) for p in self.structure.tensor.pieces)
+        return self._pieces
