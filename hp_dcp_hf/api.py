@@ -80,7 +80,7 @@ def load_hf_checkpoint(
         raise error from None
     assert planner.report is not None
     phases = {"plan": planner.plan_seconds, **reader.seconds}
-    seconds = {k: phases[k] for k in ("metadata", "plan", "read", "exchange") if k in phases}  # in load order
+    seconds = {k: phases[k] for k in ("metadata", "plan", "read", "copy", "exchange") if k in phases}  # load order
     return dataclasses.replace(planner.report, seconds=seconds)
 
 

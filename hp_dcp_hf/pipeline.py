@@ -76,7 +76,7 @@ class PretrainedLoadReport(LoadReport):
     """What :func:`from_pretrained` did on this rank; a :class:`~hp_dcp_hf.LoadReport` plus more.
 
     ``seconds`` has the wall time of each stage: ``skeleton``, ``transforms``, ``parallelize``,
-    ``materialize``, ``load`` (with its phases ``metadata``, ``plan``, ``read``, ``exchange``), then
+    ``materialize``, ``load`` (with its phases ``metadata``, ``plan``, ``read``, ``copy``, ``exchange``), then
     ``finalize``."""
 
     initialized_keys: tuple[str, ...] = ()

@@ -60,8 +60,9 @@ class LoadReport:
     unexpected_keys: tuple[str, ...]
     seconds: Mapping[str, float] = field(default_factory=dict)
     """Wall time of each phase on this rank: ``metadata`` (headers read, or received from rank 0),
-    ``plan``, ``read`` (reads, casts and copies into the shards) and, cooperating, ``exchange``
-    (what the exchange with the replicas took after this rank's reads)."""
+    ``plan``, ``read`` (reads, casts and copies into the shards), with CUDA destinations ``copy``
+    (of ``read``, the time the reads waited for copies to the device: the part they did not hide)
+    and, cooperating, ``exchange`` (what the exchange with the replicas took after this rank's reads)."""
 
 
 @dataclass

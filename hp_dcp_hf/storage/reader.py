@@ -7,8 +7,10 @@ of checkpoint tensors. Data: items are cut to the staging budget and packed into
 that a thread pool reads. Local files are mapped into memory and each box is one strided
 ``copy_`` out of the mapping (a row-sharded box would otherwise be one read per row). Other
 backends read byte ranges, coalesced into requests: when the destination is a contiguous CPU
-tensor of the checkpoint dtype, the bytes land in it directly; otherwise they go through a staging
-buffer and ``copy_`` (which casts and writes through non-contiguous views).
+tensor of the checkpoint dtype, the bytes land in it directly; otherwise they go through a slot of a
+bounded staging ring and ``copy_`` (which casts and writes through non-contiguous views). CUDA
+destinations are always staged, in pinned slots, and copied to the device asynchronously while the
+next reads run (:mod:`hp_dcp_hf.storage.ring`).
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ from hp_dcp_hf.storage.ranges import (
     split_box,
 )
 from hp_dcp_hf.storage.remote import RetryPolicy
+from hp_dcp_hf.storage.ring import Copy, SlotCopier, StagingRing, StagingStats
 from hp_dcp_hf.storage.stats import ReadStats
 
 _ALIGN = 16
@@ -72,6 +75,11 @@ _LARGE_RANGE = 1 << 20
 is read with ``preadv`` even from a mappable file: copying out of a fresh mapping page-faults
 through the same bytes (15-20% slower on contiguous 8 MiB batches here). Mappings win on strided
 boxes, where ranged reads cost a call per row."""
+
+
+def _aligned(nbytes: int) -> int:
+    """``nbytes`` rounded up to a multiple of :data:`_ALIGN`: what a staged chunk takes of a slot."""
+    return -(-nbytes // _ALIGN) * _ALIGN
 
 
 @dataclass(frozen=True)
@@ -111,15 +119,19 @@ class _Chunk:
         return self.entry.data_start % self.entry.itemsize == 0
 
     @property
+    def host(self) -> bool:
+        """The destination is a plain CPU tensor: a copy out of a mapping can write it (anything else,
+        a CUDA tensor above all, is staged in the ring)."""
+        return type(self.dest) is torch.Tensor and self.dest.device.type == "cpu"
+
+    @property
     def direct(self) -> bool:
         """The destination's own memory can receive the file bytes as they are."""
-        d = self.dest
-        return (
-            type(d) is torch.Tensor
-            and d.device.type == "cpu"
-            and d.dtype == self.entry.dtype
-            and d.is_contiguous()
-        )
+        return self.host and self.dest.dtype == self.entry.dtype and self.dest.is_contiguous()
+
+    def staged_view(self, slot: torch.Tensor, offset: int) -> torch.Tensor:
+        """This chunk's values as stored, in ``slot``'s bytes from ``offset`` (aligned)."""
+        return slot[offset : offset + self.nbytes].view(self.entry.dtype).view(self.box.sizes)
 
 
 def _byte_view(tensor: torch.Tensor) -> memoryview:
@@ -151,7 +163,8 @@ class HFStorageReader(StorageReader):
     least 8 MiB whatever the thread count, so GETs do not shrink as threads grow).
     ``staging_bytes``: the most memory reads in flight may hold for staging, or keep mapped (a
     part's span in the file, holes included, counts); a larger tensor is read a block of rows at a
-    time. ``broadcast_metadata``: in a process group, rank 0 alone reads the headers and broadcasts
+    time. With CUDA destinations the staging ring holds one batch more (a batch's reads overlap the
+    previous one's copy to the device), in pinned memory. ``broadcast_metadata``: in a process group, rank 0 alone reads the headers and broadcasts
     them (every rank must then call ``read_metadata``, which ``dcp.load`` does). ``retry``: the
     :class:`~hp_dcp_hf.storage.remote.RetryPolicy` of remote reads, or a dict of its fields.
     ``record_requests``: keep every request issued in ``requests_log`` as ``(file, start, end)``
@@ -173,8 +186,9 @@ class HFStorageReader(StorageReader):
     travels with them, so every rank reads that commit (``resolved_root`` names it after
     ``read_metadata``).
 
-    After a load, ``entries`` maps every checkpoint key to its :class:`TensorEntry` and ``stats``
-    counts what was read (reset by :meth:`reset`).
+    After a load, ``entries`` maps every checkpoint key to its :class:`TensorEntry`, ``stats``
+    counts what was read (reset by :meth:`reset`) and ``staging`` what went through the staging
+    ring (:class:`~hp_dcp_hf.storage.ring.StagingStats`, of the last ``read_data``).
     """
 
     def __init__(
@@ -198,7 +212,6 @@ class HFStorageReader(StorageReader):
         self.replicas = replicas
         self.record_requests = record_requests
         self.map_local_files = map_local_files
-        self._thread_local = threading.local()
         self._request_pool: ThreadPoolExecutor | None = None
         if (coalesce_gap or 0) < 0 or num_threads < 1 or staging_bytes < _ALIGN * num_threads:
             raise ValueError(
@@ -228,6 +241,7 @@ class HFStorageReader(StorageReader):
         self.cooperating = False
         self.exchange = ExchangeStats()
         self.requests_log: list[tuple[str, int, int]] = []
+        self.staging = StagingStats()  # what went through the staging ring in the last read_data
         self._location: CheckpointLocation | None = None
 
     @property
@@ -258,11 +272,12 @@ class HFStorageReader(StorageReader):
     def _batch_bytes(self) -> int:
         """The most bytes of one batch: the per-thread share of ``staging_bytes``; on remote stores at
         least :data:`_REMOTE_BATCH_BYTES` (within the budget) however many threads, since a batch is
-        a GET where the layout allows and smaller GETs only multiply round trips (issue 14)."""
+        a GET where the layout allows and smaller GETs only multiply round trips (issue 14). A
+        multiple of :data:`_ALIGN`, so a batch's chunks, aligned, fit one staging slot."""
         share = self.staging_bytes // self.num_threads
-        if self._location is None or self._location.backend.local:
-            return share
-        return max(share, min(_REMOTE_BATCH_BYTES, self.staging_bytes))
+        if self._location is not None and not self._location.backend.local:
+            share = max(share, min(_REMOTE_BATCH_BYTES, self.staging_bytes))
+        return share - share % _ALIGN
 
     @property
     def _batch_workers(self) -> int:
@@ -362,6 +377,7 @@ class HFStorageReader(StorageReader):
         """Read every item of ``plan`` into ``planner.resolve_tensor(item)``, then commit it."""
         start = time.perf_counter()
         self.seconds.pop("exchange", None)
+        self.seconds.pop("copy", None)
         try:
             with paused_gc():
                 if not self.cooperating:
@@ -427,6 +443,12 @@ class HFStorageReader(StorageReader):
             if not remaining[index]:
                 planner.commit_tensor(item, dests[index])
         lock = threading.Lock()
+        # One slot per batch being read, and one more: a batch's reads overlap the previous batch's
+        # copies to the device. Host destinations release their slot before the next batch, so they
+        # never hold more than one slot per reader.
+        devices = {dest.device for dest in dests if dest.device.type == "cuda"}
+        ring = StagingRing(self._batch_workers + 1, chunk_budget, pin=bool(devices))
+        copier = SlotCopier(ring, devices)
 
         def finish(batch: list[_Chunk]) -> None:
             for chunk in batch:
@@ -440,17 +462,26 @@ class HFStorageReader(StorageReader):
         # flight whatever the batches; it outlives the batch pool, whose tasks submit to it.
         remote = not self._location.backend.local
         requests = ThreadPoolExecutor(self.num_threads, "hp-dcp-hf-get") if remote else contextlib.nullcontext()
-        with requests as self._request_pool, ThreadPoolExecutor(self._batch_workers) as pool:
-            futures = [
-                pool.submit(self._read_batch, self._location, batch, finish)
-                for batch in _batches(chunks, chunk_budget)
-            ]
-            completed, _ = wait(futures, return_when=FIRST_EXCEPTION)
-            failed = [f for f in completed if f.exception() is not None]
-            if failed:
-                for f in futures:
-                    f.cancel()
-                raise failed[0].exception()  # type: ignore[misc]
+        try:
+            with requests as self._request_pool, ThreadPoolExecutor(self._batch_workers) as pool:
+                futures = [
+                    pool.submit(self._read_batch, self._location, batch, finish, copier)
+                    for batch in _batches(chunks, chunk_budget)
+                ]
+                completed, _ = wait(futures, return_when=FIRST_EXCEPTION)
+                failed = [f for f in completed if f.exception() is not None]
+                if failed:
+                    for f in futures:
+                        f.cancel()
+        finally:
+            copy_error = copier.close()  # every device copy done, its items committed
+            self.staging = copier.stats
+            if devices:
+                self.seconds["copy"] = self.staging.wait_seconds
+        if failed:
+            raise failed[0].exception()  # type: ignore[misc]
+        if copy_error is not None:
+            raise copy_error
         future: Future[None] = Future()
         future.set_result(None)
         return future
@@ -503,35 +534,51 @@ class HFStorageReader(StorageReader):
         ]
 
     def _read_batch(
-        self, location: CheckpointLocation, batch: list[_Chunk], finish: Callable[[list[_Chunk]], None]
+        self,
+        location: CheckpointLocation,
+        batch: list[_Chunk],
+        finish: Callable[[list[_Chunk]], None],
+        copier: SlotCopier,
     ) -> None:
-        """Read one batch (one file, at most the per-thread budget) into its destinations, commit."""
+        """Read one batch (one file, at most the per-thread budget) into its destinations, or into a
+        staging slot that ``copier`` empties into them; commit it once they hold its values."""
         file = batch[0].entry.file
-        staged: list[tuple[_Chunk, torch.Tensor]] = []
+        mapped = self._maps and all(chunk.mappable for chunk in batch) and not _large_reads(batch)
+        # A mapping copies into any host tensor (casting, strided); ranges land only where bytes fit.
+        offsets: dict[int, int] = {}
+        size = 0
+        for i, chunk in enumerate(batch):
+            if not (chunk.host if mapped else chunk.direct):
+                offsets[i] = size
+                size += _aligned(chunk.nbytes)
+        slot = copier.ring.acquire(size) if size else None
+        staged = {i: batch[i].staged_view(slot.data, offset) for i, offset in offsets.items()} if slot is not None else {}
+        targets = [staged.get(i, chunk.dest) for i, chunk in enumerate(batch)]
         try:
             with location.open(file) as handle:  # closing checks the file is unchanged
-                if self._maps and all(chunk.mappable for chunk in batch) and not _large_direct_reads(batch):
-                    self._copy_mapped(handle, batch)
+                if mapped:
+                    self._copy_mapped(handle, batch, targets)
                 else:
-                    staged = self._read_ranges(handle, batch)
-        except StorageReadError as e:
-            if e.key is not None:
-                raise
-            keys = ", ".join(dict.fromkeys(chunk.entry.key for chunk in batch))
-            raise StorageReadError(e.reason, file=e.file, key=keys) from e
-        for chunk, source in staged:
-            chunk.dest.copy_(source)
-        finish(batch)
+                    self._read_ranges(handle, batch, targets)
+        except BaseException as e:
+            if slot is not None:
+                copier.ring.release(slot)
+            if isinstance(e, StorageReadError) and e.key is None:
+                keys = ", ".join(dict.fromkeys(chunk.entry.key for chunk in batch))
+                raise StorageReadError(e.reason, file=e.file, key=keys) from e
+            raise
+        copies: list[Copy] = [(batch[i].dest, values) for i, values in staged.items()]
+        copier.copy(slot, copies, lambda: finish(batch))
 
-    def _copy_mapped(self, handle: RangeFile, batch: list[_Chunk]) -> None:
+    def _copy_mapped(self, handle: RangeFile, batch: list[_Chunk], targets: list[torch.Tensor]) -> None:
         """Each chunk: its span of the file mapped, one strided ``copy_`` (casting as needed) into its
-        destination, unmapped (so a thread holds at most one chunk's span resident)."""
-        for chunk in batch:
+        target, unmapped (so a thread holds at most one chunk's span resident)."""
+        for chunk, target in zip(batch, targets, strict=True):
             first, last, _ = chunk.span
             view = handle.mapped(first, last)
             assert view is not None, "read from a mapping of a backend that cannot map"
             source = torch.frombuffer(view, dtype=chunk.entry.dtype).as_strided(chunk.box.sizes, chunk.strides)
-            chunk.dest.copy_(source)
+            target.copy_(source)
             del source, view
         requests = count_requests(chunk.span for chunk in batch)
         if requests is None or self.record_requests:
@@ -542,21 +589,9 @@ class HFStorageReader(StorageReader):
         ranges = sum(chunk.span[2] for chunk in batch)
         self.stats.add(handle.file, bytes_read=needed, bytes_needed=needed, ranges=ranges, requests=requests)
 
-    def _read_ranges(self, handle: RangeFile, batch: list[_Chunk]) -> list[tuple[_Chunk, torch.Tensor]]:
-        """Coalesced ranged reads, straight into contiguous destinations or into staging; the
-        staged chunks with their bytes, to copy once the handle is closed."""
-        staged_offsets: dict[int, int] = {}
-        size = 0
-        for i, chunk in enumerate(batch):
-            if not chunk.direct:
-                staged_offsets[i] = size
-                size += -(-chunk.nbytes // _ALIGN) * _ALIGN
-        staging = self._staging(size)
-        staging_view = memoryview(staging.numpy())
-        buffers = [
-            staging_view[staged_offsets[i] :] if i in staged_offsets else _byte_view(chunk.dest)
-            for i, chunk in enumerate(batch)
-        ]
+    def _read_ranges(self, handle: RangeFile, batch: list[_Chunk], targets: list[torch.Tensor]) -> None:
+        """Coalesced ranged reads of each chunk's bytes, as stored, into its (contiguous) target."""
+        buffers = [_byte_view(target) for target in targets]
         pieces = _pieces(batch)
         requests = coalesce(pieces, self._gap)
         scratch = memoryview(bytearray(max(r.nbytes - sum(p.nbytes for p in r.pieces) for r in requests)))
@@ -569,24 +604,10 @@ class HFStorageReader(StorageReader):
             ranges=len(pieces),
             requests=len(requests),
         )
-        return [
-            (batch[i], staging[offset : offset + batch[i].nbytes].view(batch[i].entry.dtype).view(batch[i].box.sizes))
-            for i, offset in staged_offsets.items()
-        ]
 
     def _log(self, file: str, requests: list[Request]) -> None:
         if self.record_requests:
             self.requests_log.extend((file, r.start, r.end) for r in requests)  # list.extend is atomic
-
-    def _staging(self, size: int) -> torch.Tensor:
-        """This worker thread's staging bytes, allocated once per ``read_data`` and reused by every
-        batch: a fresh buffer per batch leaves freed blocks in each thread's malloc arena, and
-        resident memory grows with the bytes read instead of staying within ``staging_bytes``."""
-        buffer = getattr(self._thread_local, "staging", None)
-        if buffer is None or buffer.numel() < size:
-            buffer = torch.empty(max(size, self.staging_bytes // self.num_threads), dtype=torch.uint8)
-            self._thread_local.staging = buffer
-        return buffer[:size]
 
     def _read_requests(
         self,
@@ -623,10 +644,12 @@ class HFStorageReader(StorageReader):
             raise StorageReadError(e.reason, file=e.file, key=keys) from e
 
 
-def _large_direct_reads(batch: list[_Chunk]) -> bool:
-    """Every chunk lands in its destination as read, in ranges of :data:`_LARGE_RANGE` bytes on average."""
+def _large_reads(batch: list[_Chunk]) -> bool:
+    """Every chunk lands as read, in its destination or (not a host tensor) in a staging slot, in
+    ranges of :data:`_LARGE_RANGE` bytes on average: no host copy out of a mapping is needed."""
     ranges = sum(chunk.span[2] for chunk in batch)
-    return all(chunk.direct for chunk in batch) and sum(chunk.nbytes for chunk in batch) >= _LARGE_RANGE * ranges
+    landing = all(chunk.direct or not chunk.host for chunk in batch)
+    return landing and sum(chunk.nbytes for chunk in batch) >= _LARGE_RANGE * ranges
 
 
 def _pieces(batch: list[_Chunk]) -> list[Piece]:
@@ -641,7 +664,8 @@ def _pieces(batch: list[_Chunk]) -> list[Piece]:
 
 
 def _batches(chunks: list[_Chunk], budget: int) -> list[list[_Chunk]]:
-    """Chunks grouped per file in file order, packed into batches of at most ``budget`` bytes."""
+    """Chunks grouped per file in file order, packed into batches of at most ``budget`` bytes (each
+    chunk counted :func:`_aligned`, as it would take a staging slot)."""
     per_file: dict[str, list[_Chunk]] = defaultdict(list)
     for chunk in chunks:
         per_file[chunk.entry.file].append(chunk)
@@ -650,10 +674,10 @@ def _batches(chunks: list[_Chunk], budget: int) -> list[list[_Chunk]]:
         current: list[_Chunk] = []
         used = 0
         for chunk in sorted(file_chunks, key=lambda c: c.span[0]):
-            if current and used + chunk.nbytes > budget:
+            if current and used + _aligned(chunk.nbytes) > budget:
                 batches.append(current)
                 current, used = [], 0
             current.append(chunk)
-            used += chunk.nbytes
+            used += _aligned(chunk.nbytes)
         batches.append(current)
     return batches
