@@ -41,6 +41,9 @@ TRANSFORMS = ("fuse_gate_up", "fuse_qkv", "grouped_gemm_experts")
 """The rewrites of :mod:`hp_dcp_hf.transforms`, listed by ``--help`` without importing them (a test
 checks this list against ``hp_dcp_hf.transforms.__all__``)."""
 
+_PHASES = ("metadata", "plan", "read", "copy", "exchange", "finalize")
+"""The phases of a load the ``load`` table shows per rank (0 where a load has none)."""
+
 
 def _transforms(spec: str | None) -> tuple[str, ...]:
     return tuple(t.strip() for t in (spec or "").split(",") if t.strip())
@@ -238,7 +241,7 @@ def cmd_load(args: argparse.Namespace) -> int:
         row = {
             "rank": rank, "bytes_needed": report.plan.bytes_needed, "bytes_read": report.read.bytes_read,
             "requests": report.read.requests, "load_s": report.seconds["load"], "read_s": report.seconds["read"],
-            "phases": {k: report.seconds.get(k, 0.0) for k in ("metadata", "plan", "read", "exchange", "finalize")},
+            "phases": {k: report.seconds.get(k, 0.0) for k in _PHASES},
             "total_s": total_s,
             "loaded": len(report.loaded_keys), "missing": len(report.missing_keys),
             "unexpected": len(report.unexpected_keys), "initialized": len(report.initialized_keys),
@@ -255,14 +258,15 @@ def cmd_load(args: argparse.Namespace) -> int:
         return 0
     for line in layout:
         print(f"layout: {line}")
-    phases = ("metadata", "plan", "read", "exchange", "finalize")
+    phases = _PHASES
     print(table(("rank", "bytes needed", "bytes read", "requests", "load s", *(f"{p} s" for p in phases), "GB/s"),
                 [(r["rank"], fmt_bytes(r["bytes_needed"]), fmt_bytes(r["bytes_read"]), r["requests"],
                   f"{r['load_s']:.2f}", *(f"{r['phases'][p]:.2f}" for p in phases),
                   f"{r['bytes_read'] / max(r['read_s'], 1e-9) / 1e9:.2f}")
                  for r in rows]))
     print("(load s: the whole load, its metadata, plan, read and exchange phases and the agreement after "
-          "it; finalize s: the model's init of what the checkpoint lacks, tying; GB/s: bytes read over read s)")
+          "it; copy s: of read s, the reads' wait for copies to CUDA devices; finalize s: the model's init of "
+          "what the checkpoint lacks, tying; GB/s: bytes read over read s)")
     needed = sum(r["bytes_needed"] for r in rows)
     read = sum(r["bytes_read"] for r in rows)
     print(f"read amplification {read / max(needed, 1):.3f} (bytes read / bytes needed); "

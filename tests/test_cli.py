@@ -377,12 +377,13 @@ def test_load_single_process_json(capsys, llama):
     assert row["missing"] == row["unexpected"] == 0
     assert row["initialized"] == 2  # rotary inv_freq and original_inv_freq
     assert result["logits"]["finite"] and result["logits"]["shape"] == [2, 8, 101]
-    assert list(row["phases"]) == ["metadata", "plan", "read", "exchange", "finalize"]
+    assert list(row["phases"]) == ["metadata", "plan", "read", "copy", "exchange", "finalize"]
+    assert row["phases"]["copy"] == 0.0  # CPU tensors: nothing is copied to a device
     code, out, err = _run_cli(capsys, "load", str(llama.path))
     assert code == 0, err
     header = next(line for line in out.splitlines() if line.startswith("rank "))
     assert header.split() == ["rank", "bytes", "needed", "bytes", "read", "requests", "load", "s", "metadata", "s",
-                              "plan", "s", "read", "s", "exchange", "s", "finalize", "s", "GB/s"]
+                              "plan", "s", "read", "s", "copy", "s", "exchange", "s", "finalize", "s", "GB/s"]
 
 
 def test_load_save_to_writes_the_checkpoint_back(capsys, llama, tmp_path):
