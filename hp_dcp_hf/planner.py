@@ -191,8 +191,7 @@ class HFMappingPlanner(LoadPlanner):
 
     def create_local_plan(self) -> LoadPlan:
         start = time.perf_counter()
-        with paused_gc():
-            plan = LoadPlan(self.plan_reads(self.state_dict, self.metadata))
+        plan = LoadPlan(self.plan_reads(self.state_dict, self.metadata))
         self.plan_seconds = time.perf_counter() - start
         return plan
 
@@ -255,6 +254,7 @@ class HFMappingPlanner(LoadPlanner):
 
     # -- planning -----------------------------------------------------------------------------
     @torch.no_grad()  # local shards are taken as they are, not through autograd
+    @paused_gc()
     def plan_reads(self, state_dict: Mapping[str, Any], metadata: Metadata) -> list[ReadItem]:
         """Validate everything and return this rank's ReadItems (no byte is read or written)."""
         planner_data = metadata.planner_data if isinstance(metadata.planner_data, Mapping) else {}

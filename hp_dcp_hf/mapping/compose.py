@@ -29,6 +29,7 @@ from hp_dcp_hf.errors import MappingError
 from hp_dcp_hf.mapping.families import StageRenamer, Template, families, family, renamer_chain, split_kinds
 from hp_dcp_hf.mapping.structure import Bound, Structure
 from hp_dcp_hf.mapping.symbolic import RegionTensor, UntraceableOp
+from hp_dcp_hf.perf import paused_gc
 
 logger = logging.getLogger(__name__)
 
@@ -289,6 +290,11 @@ class Composition:
         self._source_structures: dict[TensorSpec, Structure] = {}
         self.levels: list[dict[str, Group]] = []  # levels[i][name]: the group of stage i making name
         self.dropped: list[str] = []  # checkpoint keys the first stage does not use
+        with paused_gc():
+            self._compose(final_names, model, base_model_prefix)
+        self.used_transforms = [t for stage in self.stages for t in stage if t.was_used()]
+
+    def _compose(self, final_names: Collection[str], model: Any, base_model_prefix: str | None) -> None:
         names: list[str] = list(self.sources)
         lookup: Callable[[str], Traced] = self._source
         # The checkpoint keys each name is made of, by the groups that made it (a zero-element
@@ -297,7 +303,7 @@ class Composition:
         for index, stage in enumerate(self.stages):
             known = self.views[index]
             prefix = base_model_prefix if index == 0 else None
-            groups, dropped = group_stage(names, stage, known, prefix, share=share_structure)
+            groups, dropped = group_stage(names, stage, known, prefix, share=self.share_structure)
             if index == 0:
                 self.dropped = dropped
             model_for_ops = model if index == len(self.stages) - 1 else known
@@ -317,7 +323,6 @@ class Composition:
             names, lookup, lineage = list(produced), produced.__getitem__, made_of.__getitem__
         self.traced: dict[str, Traced] = {n: v for n, v in produced.items() if n in final_names}
         self._lineage = {n: made_of[n] for n in self.traced}
-        self.used_transforms = [t for stage in self.stages for t in stage if t.was_used()]
 
     @staticmethod
     def _no_lineage(key: str) -> frozenset[str]:
