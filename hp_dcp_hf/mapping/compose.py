@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from collections import defaultdict
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -19,6 +20,7 @@ from typing import Any, NamedTuple
 
 import torch
 from transformers.core_model_loading import (
+    WeightConverter,
     WeightRenaming,
     WeightTransform,
     dot_natural_key,
@@ -26,7 +28,15 @@ from transformers.core_model_loading import (
 )
 
 from hp_dcp_hf.errors import MappingError
-from hp_dcp_hf.mapping.families import StageRenamer, Template, families, family, renamer_chain, split_kinds
+from hp_dcp_hf.mapping.families import (
+    StageRenamer,
+    Template,
+    families,
+    family,
+    natural_sorted,
+    renamer_chain,
+    split_kinds,
+)
 from hp_dcp_hf.mapping.structure import Bound, Structure
 from hp_dcp_hf.mapping.symbolic import RegionTensor, UntraceableOp
 from hp_dcp_hf.perf import paused_gc
@@ -151,19 +161,14 @@ def group_stage(
 ) -> tuple[list[Group], list[str]]:
     """Group ``names`` by the transform that consumes them; also return the names nothing wants.
 
-    ``share``: rename and sort per key family where the stage allows (see :mod:`families`).
+    ``share``: where the stage renames every member of a key family alike (see :mod:`families`),
+    group family by family; otherwise key by key in transformers' order.
     """
     renamer = StageRenamer(stage, prefix=base_model_prefix, known=known, share=share)
     by_pattern = {pattern: converter for converter in split_kinds(stage)[1] for pattern in converter.source_patterns}
-    parsed = [(name, skeleton, indices) for name, (skeleton, indices) in zip(names, families(names))]
-    if share:
-        natural = renamer.natural_keys
-        parsed.sort(key=lambda entry: natural(entry[1], entry[2]))
-    else:
-        parsed.sort(key=lambda entry: dot_natural_key(entry[0]))
-    groups: dict[str, Group] = {}
-    dropped = []
-    for name, skeleton, indices in parsed:
+
+    def resolve(name: str, skeleton: str, indices: tuple[int, ...]) -> tuple[str, str | None] | None:
+        """``(renamed, pattern)`` as transformers renames ``name`` for this model, None if nothing wants it."""
         renamed, pattern, templated = renamer(name, skeleton, indices)
         found = renamed in known
         if not found and templated:
@@ -172,14 +177,92 @@ def group_stage(
         if not found and name in known:
             renamed, pattern = rename_source_key(name, [], [], base_model_prefix, known)
             found = renamed in known
-        if not found:
+        return (renamed, pattern) if found else None
+
+    parsed = families(names)
+    if renamer.shares:
+        return _group_families(names, parsed, resolve, renamer, by_pattern, known)
+    entries = sorted(zip(names, parsed), key=lambda entry: (
+        renamer.natural_keys(*entry[1]) if share else dot_natural_key(entry[0])))
+    groups: dict[str, Group] = {}
+    dropped = []
+    for name, (skeleton, indices) in entries:
+        resolved = resolve(name, skeleton, indices)
+        if resolved is None:
             dropped.append(name)
             continue
+        renamed, pattern = resolved
         group = groups.get(renamed)
         if group is None:
             group = groups[renamed] = Group(None if pattern is None else by_pattern[pattern], renamed)
         group.inputs.append((renamed, name, name if pattern is None else pattern))
     return list(groups.values()), dropped
+
+
+def _group_families(
+    names: Sequence[str],
+    parsed: Sequence[tuple[str, tuple[int, ...]]],
+    resolve: Callable[[str, str, tuple[int, ...]], tuple[str, str | None] | None],
+    renamer: StageRenamer,
+    by_pattern: Mapping[str, WeightConverter],
+    known: _LaterStages,
+) -> tuple[list[Group], list[str]]:
+    """:func:`group_stage` family by family: the groups transformers makes, in its order.
+
+    A family's members come in index order, which is transformers' order within a family. Once a
+    family's template is checked, a member costs a tuple of its indices: members that fill the
+    template alike share one name and one ``known`` check. Groups gather their inputs family by
+    family, ordered by each family's first input, so every pattern first appears where it would in
+    transformers' order (converters collect per pattern); where one pattern spans several
+    families of a group, its inputs are sorted key by key.
+    """
+    natural = renamer.natural_keys
+    members: dict[str, list[tuple[tuple[int, ...], str]]] = defaultdict(list)
+    for name, (skeleton, indices) in zip(names, parsed):
+        members[skeleton].append((indices, name))
+    parts: dict[tuple[str, str], list[tuple[str, str, str | None]]] = {}  # (target, family) -> inputs
+    dropped: list[str] = []
+    for skeleton, family_members in members.items():
+        family_members.sort()
+        filled: dict[Any, tuple[str, str | None] | None] = {}
+        shared = None
+        for indices, name in family_members:
+            if shared is None:
+                shared = renamer.template(skeleton)
+            resolved = None
+            if shared is not None:
+                template, pattern = shared
+                key = template.key(indices)
+                if key not in filled:
+                    renamed = template.fill(indices)
+                    filled[key] = (renamed, pattern) if renamed in known else None
+                resolved = filled[key]
+            if resolved is None:
+                resolved = resolve(name, skeleton, indices)
+            if resolved is None:
+                dropped.append(name)
+                continue
+            parts.setdefault((resolved[0], skeleton), []).append((resolved[0], name, resolved[1]))
+    by_target: dict[str, list[list[tuple[str, str, str | None]]]] = defaultdict(list)
+    for (target, _), inputs in parts.items():
+        by_target[target].append(inputs)
+
+    def natural_key(entry: tuple[str, str, str | None]) -> Any:
+        return natural(*family(entry[1]))
+
+    groups = []
+    for target, target_parts in by_target.items():
+        target_parts.sort(key=lambda part: natural_key(part[0]))
+        inputs = [entry for part in target_parts for entry in part]
+        patterns = [{entry[2] for entry in part} for part in target_parts]
+        if len(set().union(*patterns)) < sum(map(len, patterns)):  # a pattern spans families
+            inputs.sort(key=natural_key)
+        pattern = inputs[0][2]
+        group = Group(None if pattern is None else by_pattern[pattern], target)
+        group.inputs = [(renamed, name, name if p is None else p) for renamed, name, p in inputs]
+        groups.append((natural_key(inputs[0]), group))
+    groups.sort(key=lambda entry: entry[0])
+    return [group for _, group in groups], list(natural_sorted(dropped))
 
 
 class _QueryLog:

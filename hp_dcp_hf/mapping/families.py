@@ -12,6 +12,7 @@ import re
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
+from operator import itemgetter
 from typing import Any
 
 from transformers.core_model_loading import (
@@ -24,8 +25,10 @@ from transformers.core_model_loading import (
 
 # A whole dot-separated component that is a decimal integer (``w1`` and ``shard_2`` stay literal,
 # as transformers' natural sort treats them).
-# Newlines bound components too, so that many names are parsed in one pass (:func:`families`).
-_INDEX = re.compile(r"(?<![^.\n])(\d+)(?![^.\n])")
+_INDEX = re.compile(r"(?<![^.])(\d+)(?![^.])")
+# An integer component after a dot, in names joined by newlines: parsed in one pass (a literal
+# first character lets the regex engine skip ahead, several times faster than the lookarounds).
+_DOTTED_INDEX = re.compile(r"\.(\d+)(?=[.\n])")
 _SLOT = "\0"
 
 
@@ -37,12 +40,16 @@ def family(name: str) -> tuple[str, tuple[int, ...]]:
 
 def families(names: Sequence[str]) -> list[tuple[str, tuple[int, ...]]]:
     """:func:`family` of every name, parsed in one regex pass over all of them."""
-    joined = "\n".join(names)
-    skeletons = _INDEX.sub(_SLOT, joined).split("\n")
+    joined = "\n".join(names) + "\n"
+    skeletons = _DOTTED_INDEX.sub("." + _SLOT, joined).split("\n")[:-1]
     if len(skeletons) != len(names) or _SLOT in joined:  # names that would confuse the joined parse
         return [family(name) for name in names]
-    numbers = iter(map(int, _INDEX.findall(joined)))
-    return [(skeleton, tuple(islice(numbers, skeleton.count(_SLOT)))) for skeleton in skeletons]
+    numbers = iter(map(int, _DOTTED_INDEX.findall(joined)))
+    parsed = [(skeleton, tuple(islice(numbers, skeleton.count(_SLOT)))) for skeleton in skeletons]
+    for i, name in enumerate(names):
+        if name[:1].isdigit():  # an integer first component has no dot before it
+            parsed[i] = family(name)
+    return parsed
 
 
 @dataclass(frozen=True)
@@ -52,6 +59,7 @@ class Template:
     texts: tuple[str, ...]
     slots: tuple[int, ...]
     _format: str = field(init=False, repr=False, compare=False)
+    _key: Callable[[Sequence[int]], Any] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         escaped = [text.replace("{", "{{").replace("}", "}}") for text in self.texts]
@@ -59,6 +67,7 @@ class Template:
         for position, slot in enumerate(self.slots):
             fields.append(f"{{{slot}}}{escaped[position + 1]}")
         object.__setattr__(self, "_format", "".join(fields))
+        object.__setattr__(self, "_key", itemgetter(*self.slots) if self.slots else lambda indices: ())
 
     @classmethod
     def of(cls, name: str, indices: Sequence[int]) -> Template | None:
@@ -75,6 +84,10 @@ class Template:
 
     def fill(self, indices: Sequence[int]) -> str:
         return self._format.format(*indices)
+
+    def key(self, indices: Sequence[int]) -> Any:
+        """The indices the filled name depends on: members with equal keys get equal names."""
+        return self._key(indices)
 
 
 class NaturalKeys:
@@ -148,6 +161,16 @@ class StageRenamer:
         self._share = share and _index_blind(stage)
         self._templates: dict[str, Any] = {}  # skeleton -> (Template, pattern, checked) or None
         self.natural_keys = NaturalKeys()
+
+    @property
+    def shares(self) -> bool:
+        """Whether families are renamed through templates (else every key is renamed for real)."""
+        return self._share
+
+    def template(self, skeleton: str) -> tuple[Template, str | None] | None:
+        """The family's template and pattern once checked against a second member, else None."""
+        entry = self._templates.get(skeleton)
+        return entry[:2] if entry is not None and entry is not _UNSEEN and entry[2] else None
 
     def real(self, name: str) -> tuple[str, str | None]:
         return rename_source_key(name, self._renamings, self._converters, self._prefix, self._known)
