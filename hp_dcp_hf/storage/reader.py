@@ -48,6 +48,7 @@ from hp_dcp_hf.parallel.cooperation import COOPERATE, ExchangeStats, ReadProgres
 from hp_dcp_hf.perf import paused_gc
 from hp_dcp_hf.storage.broadcast import agree_on_failure, share_from_rank0, should_broadcast
 from hp_dcp_hf.storage.catalog import QUANTIZATION_CONFIG, Catalog, find_files, scan
+from hp_dcp_hf.storage.copy import copy_into
 from hp_dcp_hf.storage.header import TensorEntry
 from hp_dcp_hf.storage.location import CheckpointLocation, RangeFile, filesystem, locate
 from hp_dcp_hf.storage.ranges import (
@@ -571,14 +572,14 @@ class HFStorageReader(StorageReader):
         copier.copy(slot, copies, lambda: finish(batch))
 
     def _copy_mapped(self, handle: RangeFile, batch: list[_Chunk], targets: list[torch.Tensor]) -> None:
-        """Each chunk: its span of the file mapped, one strided ``copy_`` (casting as needed) into its
-        target, unmapped (so a thread holds at most one chunk's span resident)."""
+        """Each chunk: its span of the file mapped, one strided copy (:func:`copy_into`, casting as
+        needed) into its target, unmapped (so a thread holds at most one chunk's span resident)."""
         for chunk, target in zip(batch, targets, strict=True):
             first, last, _ = chunk.span
             view = handle.mapped(first, last)
             assert view is not None, "read from a mapping of a backend that cannot map"
             source = torch.frombuffer(view, dtype=chunk.entry.dtype).as_strided(chunk.box.sizes, chunk.strides)
-            target.copy_(source)
+            copy_into(target, source)
             del source, view
         requests = count_requests(chunk.span for chunk in batch)
         if requests is None or self.record_requests:

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from hp_dcp_hf.storage.copy import copy_into
+
 
 @dataclass(frozen=True)
 class Slot:
@@ -142,7 +144,7 @@ class SlotCopier:
                 if dest.device.type == "cuda":
                     on_device[dest.device].append((dest, staged))
                 else:
-                    dest.copy_(staged)
+                    copy_into(dest, staged)
             for device, group in on_device.items():
                 events.append(self._issue(device, group))
         except BaseException:
