@@ -37,7 +37,7 @@ from hp_dcp_hf.mapping.quantized import (
     quantized_tensors,
     uncovered_weight_boxes,
 )
-from hp_dcp_hf.mapping.stages import model_stages, recorded_source_shapes
+from hp_dcp_hf.mapping.stages import model_stages, record_checkpoint_mapping, recorded_source_shapes
 from hp_dcp_hf.parallel.cooperation import COOPERATE, ReadProgress, SharedTarget
 from hp_dcp_hf.parallel.replicas import ReplicaGroups
 from hp_dcp_hf.perf import paused_gc
@@ -138,6 +138,10 @@ class HFMappingPlanner(LoadPlanner):
             checkpoint tensors, convert in memory, keep the local part; the reference to compare with.
         share_structure: trace each structurally identical group once (see :class:`Composition`);
             ``False`` traces every group, the reference the shared plan is tested against.
+
+    Planning records on the model the transforms of the checkpoint mapping that matched a
+    checkpoint key (:func:`~hp_dcp_hf.mapping.stages.recorded_checkpoint_mapping`): a later
+    :func:`~hp_dcp_hf.save_hf_checkpoint` inverts them and writes the checkpoint's own keys.
     """
 
     def __init__(
@@ -306,6 +310,7 @@ class HFMappingPlanner(LoadPlanner):
         items = self._make_items(composition, state_dict, fill, stored, sources, replicas)
         if isinstance(self.model, nn.Module):
             self.model._weight_conversions = composition.used_transforms
+            record_checkpoint_mapping(self.model, [t for t in composition.stages[0] if t.was_used()])
         return items
 
     def _quantized(

@@ -1,7 +1,9 @@
-"""Where the stages of a model's weight mapping come from and where rewrites record theirs."""
+"""Where the stages of a model's weight mapping come from, where rewrites record theirs, and where a
+load records the checkpoint mapping it applied (for the save to invert)."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
@@ -15,6 +17,7 @@ from hp_dcp_hf.errors import MappingError
 
 _STAGES = "_hp_weight_mapping_stages"
 _SHAPES = "_hp_weight_mapping_source_shapes"
+_CHECKPOINT = "_hp_checkpoint_mapping"
 
 
 def add_weight_mapping(
@@ -49,14 +52,33 @@ def recorded_source_shapes(model: nn.Module) -> list[dict[str, tuple[int, ...]]]
     return list(getattr(model, _SHAPES, []))
 
 
+def record_checkpoint_mapping(model: nn.Module, transforms: Sequence[WeightTransform]) -> None:
+    """Record the checkpoint -> canonical transforms a load applied to ``model`` (those that matched
+    a checkpoint key, as transformers keeps them in ``_weight_conversions``): a later save inverts
+    them, so the model goes back to the checkpoint it came from."""
+    setattr(model, _CHECKPOINT, list(transforms))
+
+
+def recorded_checkpoint_mapping(model: nn.Module) -> list[WeightTransform] | None:
+    """The checkpoint mapping the last load into ``model`` applied; None when none was recorded."""
+    mapping = getattr(model, _CHECKPOINT, None)
+    return None if mapping is None else list(mapping)
+
+
 def model_stages(model: nn.Module, weights_mapping: Sequence[WeightTransform] | None) -> list[list[WeightTransform]]:
-    """The checkpoint mapping (given, or transformers' for the model type) followed by the rewrites."""
+    """The checkpoint mapping (given, or transformers' for the model type) followed by the rewrites.
+
+    A given mapping is copied: composing marks the transforms that match (``was_used``), and a
+    mapping reused for another checkpoint must not carry the marks of the last one.
+    """
     if weights_mapping is None:
         if isinstance(model, PreTrainedModel):
             with _original_classes(model):
                 weights_mapping = get_model_conversion_mapping(model, key_mapping=None, hf_quantizer=None)
         else:
             weights_mapping = []
+    else:
+        weights_mapping = copy.deepcopy(list(weights_mapping))
     return [list(weights_mapping), *recorded_stages(model)]
 
 
