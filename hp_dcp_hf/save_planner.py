@@ -1,16 +1,19 @@
 """HFSavePlanner: a DCP ``SavePlanner`` that writes a (parallelized, rewritten) model back as the
 Hugging Face checkpoint ``save_pretrained`` would write for it, each rank its own bytes.
 
-The save is the load run backwards through the same composition. The checkpoint's tensors are
-those ``save_pretrained`` writes for the model's class and config (transformers' own
-``remove_tied_weights_from_state_dict`` and ``revert_weight_conversion``, run on a meta skeleton:
-names, shapes, dtypes, no data). Tracing the load composition from them (checkpoint mapping, then
-every recorded rewrite) tells, for every model tensor, which box of which checkpoint tensor each
-of its elements is; a rank's shard pieces cut against it give its :class:`WriteItem` s, each a box
-of a checkpoint tensor and the strided view of the local shard that holds it. No reverse op is
-needed (a fused ``qkv_proj`` laid out in rank order writes back into q, k and v as it was read from
-them), and a conversion that does not map elements one to one cannot be inverted: that is a
-:class:`MappingError` before any byte is written.
+The save is the load run backwards through the same composition. The checkpoint mapping it
+inverts is the one given to it, else the one the model was loaded with (the load records the
+transforms that matched a checkpoint key, as transformers' ``from_pretrained`` does), else
+transformers' own for the model's class. The checkpoint's tensors are what transformers'
+``revert_weight_conversion`` makes of that mapping on a meta skeleton of the model's class and
+config, after ``remove_tied_weights_from_state_dict`` (names, shapes, dtypes, no data): with the
+same mapping, what ``save_pretrained`` writes. Tracing the load composition from them (checkpoint
+mapping, then every recorded rewrite) tells, for every model tensor, which box of which checkpoint
+tensor each of its elements is; a rank's shard pieces cut against it give its :class:`WriteItem` s,
+each a box of a checkpoint tensor and the strided view of the local shard that holds it. No reverse
+op runs on data (a fused ``qkv_proj`` laid out in rank order writes back into q, k and v as it was
+read from them), and a conversion that does not map elements one to one cannot be inverted: that is
+a :class:`MappingError` before any byte is written.
 
 Each byte is written by one rank: a piece held by several ranks (``Replicate`` dims, the parallel
 copies of a submesh, plain tensors in a process group) is written by one of its replicas, the
@@ -19,8 +22,10 @@ copies of a submesh, plain tensors in a process group) is written by one of its 
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Mapping, Sequence
+import re
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,13 +44,21 @@ from torch.distributed.checkpoint.planner import (
     WriteItem,
     WriteItemType,
 )
-from transformers.core_model_loading import WeightTransform, dot_natural_key
+from transformers import PreTrainedModel
+from transformers.core_model_loading import WeightRenaming, WeightTransform, dot_natural_key
 
 from hp_dcp_hf.errors import MappingError, PlanningError
 from hp_dcp_hf.layout import local_shard_pieces, local_tensor
 from hp_dcp_hf.mapping.blocks import LocalView, read_blocks
 from hp_dcp_hf.mapping.compose import Composition, Opaque, TensorSpec
-from hp_dcp_hf.mapping.stages import model_stages, original_class, recorded_source_shapes
+from hp_dcp_hf.mapping.stages import (
+    model_stages,
+    original_class,
+    recorded_checkpoint_mapping,
+    recorded_source_shapes,
+    recorded_stages,
+)
+from hp_dcp_hf.mapping.symbolic import Piece
 from hp_dcp_hf.parallel.replicas import ReplicaGroups
 from hp_dcp_hf.perf import paused_gc
 from hp_dcp_hf.planner import alias_groups
@@ -62,31 +75,97 @@ class SaveRequest:
     index_metadata: dict[str, Any] = field(default_factory=dict)  # total_parameters
 
 
-def saved_tensors(model: nn.Module) -> tuple[dict[str, TensorSpec], dict[str, tuple[int, int]], nn.Module]:
-    """The tensors ``save_pretrained`` writes for ``model``'s class and config, which of them are
-    views of one storage (key -> (storage group, its elements): ``save_pretrained`` splits files by
-    storage), and the meta skeleton they come from (in the dtype of the model's floating-point
-    parameters)."""
-    config = getattr(model, "config", None)
-    if config is None:
-        raise PlanningError("saving in Hugging Face format needs a transformers model (its config and class)")
+def saved_tensors(
+    model: nn.Module, weights_mapping: Sequence[WeightTransform] | None = None
+) -> tuple[dict[str, TensorSpec], dict[str, tuple[int, int]], nn.Module]:
+    """The checkpoint tensors that ``weights_mapping`` (checkpoint -> canonical) loads into
+    ``model``, which of them are views of one storage (key -> (storage group, its elements):
+    ``save_pretrained`` splits files by storage), and the skeleton they come from.
+
+    A transformers model's canonical tensors are those of a meta skeleton of its class and config
+    (tied copies and ``_keys_to_ignore_on_save`` dropped, as ``save_pretrained`` drops them), in the
+    dtype of its floating-point parameters; another module's are its own state dict, one name per
+    tied group, and it needs a mapping. transformers' ``revert_weight_conversion`` turns them into
+    the checkpoint's names and shapes: with ``weights_mapping`` None, reversing transformers' own
+    mapping for the class, as ``save_pretrained`` of a model built from scratch does.
+    """
     from transformers.core_model_loading import revert_weight_conversion
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
-    dtype = next((p.dtype for p in model.parameters() if p.dtype.is_floating_point), torch.float32)
-    with torch.device("meta"):
-        skeleton = original_class(model)._from_config(config, dtype=dtype)
-    skeleton.tie_weights()
-    state = skeleton.state_dict()
-    for key in getattr(skeleton, "_keys_to_ignore_on_save", None) or ():
-        state.pop(key, None)
-    state = revert_weight_conversion(skeleton, remove_tied_weights_from_state_dict(state, skeleton))
+    config = getattr(model, "config", None)
+    if isinstance(model, PreTrainedModel) and config is not None:
+        dtype = next((p.dtype for p in model.parameters() if p.dtype.is_floating_point), torch.float32)
+        with torch.device("meta"):
+            skeleton = original_class(model)._from_config(config, dtype=dtype)
+        skeleton.tie_weights()
+        state = skeleton.state_dict()
+        for key in getattr(skeleton, "_keys_to_ignore_on_save", None) or ():
+            state.pop(key, None)
+        state = remove_tied_weights_from_state_dict(state, skeleton)
+        converting: Any = skeleton
+    elif weights_mapping is None:
+        raise PlanningError("saving in Hugging Face format needs a transformers model (its config and class), or "
+                            "the checkpoint mapping the model was loaded with (weights_mapping=)")
+    elif recorded_stages(model):
+        raise PlanningError("a rewritten model that is not a transformers model has no known canonical form to "
+                            "save: save it before the rewrites, or as a transformers model")
+    else:
+        skeleton, full = model, model.state_dict()
+        state = {group[0]: torch.empty(tuple(full[group[0]].shape), dtype=full[group[0]].dtype, device="meta")
+                 for group in alias_groups(model, list(full))}
+        converting = _Converting(model)
+    if weights_mapping is None:
+        state = revert_weight_conversion(skeleton, state)
+    elif weights_mapping:
+        converting._weight_conversions = list(weights_mapping)
+        state = _reverted(converting, state)
     groups: dict[int, int] = {}
     storage = {}
     for key, t in state.items():
         handle = t.untyped_storage()._cdata  # meta storages are told apart by their handle alone
         storage[key] = (groups.setdefault(handle, len(groups)), t.untyped_storage().nbytes() // t.element_size())
     return {key: TensorSpec(tuple(t.shape), t.dtype) for key, t in state.items()}, storage, skeleton
+
+
+class _Converting:
+    """A module that is not a transformers model as ``revert_weight_conversion`` asks it: with the
+    conversions to reverse (the module's own attributes stay as they are) and no config."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._model = model
+        self._weight_conversions: list[WeightTransform] = []
+        self.config = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+
+def _reverted(model: Any, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` under the checkpoint's names: transformers' ``revert_weight_conversion`` of
+    ``model._weight_conversions``. A transform transformers cannot reverse is a
+    :class:`MappingError` naming the first model tensor it makes."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    for transform in model._weight_conversions:
+        try:
+            transform.reverse_transform()
+        except Exception as exc:  # an op without reverse_op, a quantized transform
+            raise MappingError(f"{transform} cannot be reversed ({type(exc).__name__}: {exc}), so the model cannot "
+                               "be written back in the checkpoint's format", key=_made_by(transform, state)) from exc
+    try:
+        return revert_weight_conversion(model, state)
+    except Exception as exc:
+        raise MappingError(f"reversing the checkpoint mapping fails: {type(exc).__name__}: {exc}") from exc
+
+
+def _made_by(transform: WeightTransform, names: Collection[str]) -> str | None:
+    """The first of ``names`` that ``transform`` makes on load (its target patterns match it)."""
+    try:
+        probe = WeightRenaming(list(transform._original_target_patterns), list(transform._original_source_patterns))
+    except (ValueError, re.error):
+        return None
+    probe.scope_prefix, probe.base_model_prefix = transform.scope_prefix, transform.base_model_prefix
+    return next((name for name in sorted(names, key=dot_natural_key) if probe.rename_source_key(name)[1]), None)
 
 
 def _extra_files(model: nn.Module) -> dict[str, str]:
@@ -104,8 +183,10 @@ class HFSavePlanner(SavePlanner):
 
     Args:
         model: the model whose ``state_dict()`` is saved (its class and config say what
-            ``save_pretrained`` would write).
-        weights_mapping: the checkpoint -> canonical model mapping, instead of transformers' own.
+            ``save_pretrained`` would write; a module that is not a transformers model needs a
+            mapping, given or recorded by its load).
+        weights_mapping: the checkpoint -> canonical model mapping to invert. Default: the one the
+            model was loaded with, else transformers' own for its class.
 
     Tensors are planned in the model's dtypes; :class:`~hp_dcp_hf.storage.HFStorageWriter` casts
     them on write when given a ``dtype``.
@@ -142,9 +223,10 @@ class HFSavePlanner(SavePlanner):
     # -- planning -----------------------------------------------------------------------------
     def plan_writes(self, state_dict: Mapping[str, Any]) -> tuple[list[WriteItem], SaveRequest]:
         """Validate everything and return this rank's WriteItems and what its writer needs."""
-        specs, storage, skeleton = saved_tensors(self.model)
+        mapping = self.weights_mapping if self.weights_mapping is not None else recorded_checkpoint_mapping(self.model)
+        specs, storage, skeleton = saved_tensors(self.model, mapping)
         composition = Composition(
-            model_stages(self.model, self.weights_mapping),
+            model_stages(self.model, mapping),
             specs,
             set(state_dict),
             stage_shapes=[{}, *recorded_source_shapes(self.model)],
@@ -177,30 +259,70 @@ class HFSavePlanner(SavePlanner):
         request = SaveRequest(
             {key: (spec.dtype, spec.shape) for key, spec in specs.items()},
             storage,
-            _extra_files(self.model) if self.is_coordinator else {},
+            _extra_files(self.model) if self.is_coordinator and isinstance(skeleton, PreTrainedModel) else {},
             {"total_parameters": skeleton.num_parameters()} if hasattr(skeleton, "num_parameters") else {},
         )
         return items, request
 
     @staticmethod
     def _check_inverse(composition: Composition, state_dict, fill: Sequence[str], specs) -> None:
-        """Every checkpoint element is one element of one model tensor, and shapes agree."""
-        problems = []
-        covered = dict.fromkeys(specs, 0)
+        """Loading the checkpoint makes every model tensor, in its shape, and every checkpoint element
+        is one element of one model tensor: then writing each model element where the load reads it
+        from writes every checkpoint byte once, and nothing else."""
+        problems: list[tuple[str, str]] = []
+        pieces: dict[str, list[Piece]] = {key: [] for key in specs}
         for target in fill:
             traced = composition.traced.get(target)
             if traced is None:
-                problems.append(f"{target}: no checkpoint tensor of save_pretrained's maps to it")
+                problems.append((target, "no checkpoint tensor the mapping reverses to maps to it"))
             elif isinstance(traced, Opaque):
-                problems.append(f"{target}: made by a conversion that cannot be traced, so it cannot be inverted "
-                                f"exactly (from {sorted(traced.sources)})")
+                problems.append((target, f"made by a conversion that cannot be traced, so it cannot be inverted "
+                                         f"exactly (from {sorted(traced.sources)})"))
             elif tuple(traced.shape) != tuple(state_dict[target].shape):
-                problems.append(f"{target}: the model holds {tuple(state_dict[target].shape)}, the checkpoint "
-                                f"makes {tuple(traced.shape)}")
+                problems.append((target, f"the model holds {tuple(state_dict[target].shape)}, the checkpoint "
+                                         f"makes {tuple(traced.shape)}"))
             else:
                 for piece in traced.pieces:
-                    covered[piece.key] += piece.numel
-        problems += [f"{key}: {n} of its {math.prod(specs[key].shape)} elements come from the model"
-                     for key, n in covered.items() if n != math.prod(specs[key].shape)]
+                    pieces[piece.key].append(piece)
+        for key, claimed in pieces.items():
+            numel = math.prod(specs[key].shape)
+            n = sum(p.numel for p in claimed)
+            if n != numel:
+                problems.append((key, f"{n} of its {numel} elements come from the model"))
+            elif _claimed_twice(claimed, specs[key].shape):
+                problems.append((key, "some of its elements make several model elements, others none"))
         if problems:
-            raise MappingError(f"{len(problems)} tensors cannot be written back exactly:\n  " + "\n  ".join(problems))
+            raise MappingError(f"{len(problems)} tensors cannot be written back exactly:\n  "
+                               + "\n  ".join(f"{name}: {why}" for name, why in problems), key=problems[0][0])
+
+
+def _claimed_twice(pieces: Sequence[Piece], shape: Sequence[int]) -> bool:
+    """Whether two of ``pieces`` (of one checkpoint tensor of ``shape``) share an element. Pieces
+    whose bounding boxes are disjoint share none (rows chunked into q, k, v); others (interleaved
+    rows, many pieces) are marked element by element."""
+    pieces = [p for p in pieces if p.numel]
+    if any(a.src_step == 0 and a.size > 1 for p in pieces for a in p.axes):  # one element, several times
+        return True
+    if len(pieces) < 2:
+        return False
+    hulls = [_hull(p) for p in pieces]
+    if len(pieces) <= 64 and all(any(a_hi <= b_lo or b_hi <= a_lo for a_lo, a_hi, b_lo, b_hi in zip(*a, *b))
+                                 for a, b in itertools.combinations(hulls, 2)):
+        return False
+    marked = torch.zeros(tuple(shape), dtype=torch.bool)
+    strides = marked.stride()
+    for piece in pieces:
+        view = marked.as_strided([a.size for a in piece.axes], [a.src_step * strides[a.src_dim] for a in piece.axes],
+                                 sum(o * s for o, s in zip(piece.src_origin, strides)))
+        if view.any():
+            return True
+        view.fill_(True)
+    return False
+
+
+def _hull(piece: Piece) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The bounding box of ``piece`` in its checkpoint tensor: (first, past-last) index per dim."""
+    ends = list(piece.src_origin)
+    for axis in piece.axes:
+        ends[axis.src_dim] += (axis.size - 1) * axis.src_step
+    return tuple(piece.src_origin), tuple(e + 1 for e in ends)
