@@ -94,7 +94,7 @@ def save_hf_checkpoint(
     model: nn.Module,
     path: str | os.PathLike,
     *,
-    max_shard_size: int | str = "5GB",
+    max_shard_size: int | str | None = None,
     dtype: torch.dtype | None = None,
     weights_mapping: Sequence[WeightTransform] | None = None,
     writer: HFStorageWriter | None = None,
@@ -106,10 +106,14 @@ def save_hf_checkpoint(
 
     One parallel pass: each rank writes its own shards' bytes at their final offsets (a replicated
     tensor by one of its replicas); nothing is gathered. The files appear at their final names only
-    once every rank has written, the index last; a failure on any rank raises
-    :class:`~hp_dcp_hf.errors.StorageWriteError` (or the planning error) on every rank and leaves
-    ``path`` as it was. ``dtype`` casts floating-point tensors on write. ``path`` is a directory or
-    an ``s3://`` prefix (multipart uploads; ``storage_options`` as s3fs takes them).
+    once every rank has written, through one atomic switch (``docs/reliability.md``). It returns
+    exactly when the new checkpoint is the one at ``path``; otherwise it raises
+    :class:`~hp_dcp_hf.errors.StorageWriteError` (or the planning error) on every rank that is
+    still alive, and ``path`` holds the older checkpoint as it was.
+
+    ``dtype`` casts floating-point tensors on write, and ``config.json`` names it. ``max_shard_size``
+    defaults to ``save_pretrained``'s. ``path`` is a directory or an ``s3://`` prefix (multipart
+    uploads; ``storage_options`` as s3fs takes them).
     """
     planner = planner or HFSavePlanner(model, weights_mapping=weights_mapping)
     writer = writer if writer is not None else HFStorageWriter(
@@ -118,12 +122,16 @@ def save_hf_checkpoint(
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.save(model.state_dict(), storage_writer=writer, planner=planner, no_dist=not should_broadcast())
-    except CheckpointException as exc:
+    except BaseException as exc:  # noqa: BLE001 - whatever failed, the outcome is what the path holds
         writer.abort()
-        error = unwrap_checkpoint_exception(exc)
-        if not isinstance(error, HPDCPHFError):
-            error = StorageWriteError(f"{type(error).__name__}: {error}", file=os.fspath(path))
+        error = unwrap_checkpoint_exception(exc) if isinstance(exc, CheckpointException) else exc
+        if not isinstance(error, Exception):
+            raise
+        if writer.saved():  # published, and then a peer was lost: the save did what it promised
+            warnings.warn(f"the checkpoint was saved to {os.fspath(path)}, then: {type(error).__name__}: {error}",
+                          stacklevel=2)
+            return
+        if not isinstance(error, HPDCPHFError):  # a lost peer's gloo error, a dead server's
+            error = StorageWriteError(f"the save failed and left the path as it was: {type(error).__name__}: "
+                                      f"{error}", file=os.fspath(path))
         raise error from None
-    except BaseException:
-        writer.abort()
-        raise

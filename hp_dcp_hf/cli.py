@@ -234,7 +234,8 @@ def cmd_load(args: argparse.Namespace) -> int:
             from hp_dcp_hf.api import save_hf_checkpoint
             from hp_dcp_hf.storage import HFStorageWriter
 
-            writer = HFStorageWriter(args.save_to, max_shard_size=args.max_shard_size)
+            save_dtype = _save_dtype(args.save_dtype, reader.entries.values())
+            writer = HFStorageWriter(args.save_to, max_shard_size=args.max_shard_size, dtype=save_dtype)
             start = time.perf_counter()
             save_hf_checkpoint(model, args.save_to, writer=writer)
             written, save_s = writer.bytes_written, time.perf_counter() - start
@@ -278,6 +279,33 @@ def cmd_load(args: argparse.Namespace) -> int:
         print(f"saved to {args.save_to} as save_pretrained writes it, each rank its own bytes: "
               + ", ".join(f"rank {r['rank']} {fmt_bytes(r['bytes_written'])} in {r['save_s']:.2f} s" for r in rows)
               + f"; {fmt_bytes(sum(r['bytes_written'] for r in rows))} in all")
+    return 0
+
+
+def _save_dtype(choice: str, entries: Any) -> Any:
+    """The dtype ``--save-to`` writes: ``checkpoint`` is the one floating-point dtype of the
+    checkpoint's unquantized tensors (a bf16 checkpoint saves back as bf16 whatever ``--dtype``
+    loaded it as; a mixed or quantized one keeps the model's dtypes), ``model`` the model's."""
+    from hp_dcp_hf.toolkit import torch_dtype
+
+    if choice == "model":
+        return None
+    if choice != "checkpoint":
+        return torch_dtype(choice)
+    from hp_dcp_hf.storage.dtypes import lookup_dtype
+
+    dtypes = {lookup_dtype(e.dtype_name, file=e.file, key=e.key).torch_dtype for e in entries}
+    floating = {d for d in dtypes if d.is_floating_point}
+    return next(iter(floating)) if len(floating) == 1 and next(iter(floating)).itemsize > 1 else None
+
+
+# -- repair ------------------------------------------------------------------------------------
+
+
+def cmd_repair(args: argparse.Namespace) -> int:
+    from hp_dcp_hf.storage.writer import destination_for
+
+    print(f"{args.path}: {destination_for(args.path, {}).repair()}")
     return 0
 
 
@@ -365,8 +393,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-to", default=None, metavar="DIR",
                    help="then save the loaded model to DIR as a Hugging Face checkpoint (one parallel write pass, "
                         "published atomically)")
-    p.add_argument("--max-shard-size", default="5GB", help="with --save-to: save_pretrained's file size limit")
+    p.add_argument("--max-shard-size", default=None,
+                   help="with --save-to: the file size limit (default: save_pretrained's)")
+    p.add_argument("--save-dtype", default="checkpoint", choices=("checkpoint", "model", *DTYPE_CHOICES),
+                   help="with --save-to: checkpoint writes the checkpoint's floating-point dtype (a bf16 "
+                        "checkpoint saves back byte for byte), model the model's (--dtype)")
     p.set_defaults(func=cmd_load)
+
+    p = command("repair", "finish a save that was killed while publishing, drop what killed saves left")
+    p.add_argument("path", help="a checkpoint directory or s3:// prefix that saves write to")
+    p.set_defaults(func=cmd_repair)
 
     p = command("demo", "generate a small MoE checkpoint and load it on 4 ranks")
     p.add_argument("--out", default="demo_out", help="output directory: per-rank JSON, summary.json, pictures")

@@ -39,6 +39,14 @@ class CheckpointFormatError(HPDCPHFError):
     """A safetensors header or an index file breaks the format's rules."""
 
 
+class MixedCheckpointError(CheckpointFormatError):
+    """The files of a checkpoint come from different saves (a shard copied in from another save)."""
+
+
+class InterruptedSaveError(HPDCPHFError):
+    """A save into the path died while it published: ``hp-dcp-hf repair`` or the next save completes it."""
+
+
 class UnsupportedDtypeError(CheckpointFormatError):
     """A tensor's dtype is unknown to safetensors or has no torch equivalent."""
 

@@ -22,6 +22,7 @@ copies of a submesh, plain tensors in a process group) is written by one of its 
 
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 import re
@@ -71,8 +72,22 @@ class SaveRequest:
 
     tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]]  # checkpoint key -> (dtype, shape)
     storage: dict[str, tuple[int, int]]  # checkpoint key -> (storage group, elements of that storage)
-    extra_files: dict[str, str] = field(default_factory=dict)  # config.json, generation_config.json
+    configs: dict[str, Any] = field(default_factory=dict)  # config.json, generation_config.json (coordinator)
+    dtype: torch.dtype = torch.float32  # the model's, as save_pretrained names it (its first floating parameter's)
+    architectures: tuple[str, ...] = ()
     index_metadata: dict[str, Any] = field(default_factory=dict)  # total_parameters
+
+    def extra_files(self, dtype: torch.dtype | None) -> dict[str, str]:
+        """The JSON files ``save_pretrained`` writes beside the weights of this model saved in
+        ``dtype`` (None: the model's): ``config.json`` naming that dtype and the model's class."""
+        files = {}
+        for name, config in self.configs.items():
+            if name == "config.json":
+                config = copy.deepcopy(config)
+                config.dtype = str(dtype or self.dtype).removeprefix("torch.")
+                config.architectures = list(self.architectures)
+            files[name] = config.to_json_string(use_diff=True)
+        return files
 
 
 def saved_tensors(
@@ -168,14 +183,15 @@ def _made_by(transform: WeightTransform, names: Collection[str]) -> str | None:
     return next((name for name in sorted(names, key=dot_natural_key) if probe.rename_source_key(name)[1]), None)
 
 
-def _extra_files(model: nn.Module) -> dict[str, str]:
-    """``config.json`` (and ``generation_config.json`` for generative models), as ``save_pretrained`` writes them."""
-    files = {"config.json": model.config.to_json_string(use_diff=True)}
+def _configs(model: nn.Module) -> dict[str, Any]:
+    """The configs ``save_pretrained`` writes: ``config.json``, and ``generation_config.json`` for
+    generative models."""
+    configs = {"config.json": model.config}
     generation = getattr(model, "generation_config", None)
     can_generate = getattr(model, "can_generate", lambda: False)
     if generation is not None and can_generate():
-        files["generation_config.json"] = generation.to_json_string(use_diff=True)
-    return files
+        configs["generation_config.json"] = generation
+    return configs
 
 
 class HFSavePlanner(SavePlanner):
@@ -259,7 +275,9 @@ class HFSavePlanner(SavePlanner):
         request = SaveRequest(
             {key: (spec.dtype, spec.shape) for key, spec in specs.items()},
             storage,
-            _extra_files(self.model) if self.is_coordinator and isinstance(skeleton, PreTrainedModel) else {},
+            _configs(self.model) if self.is_coordinator and isinstance(skeleton, PreTrainedModel) else {},
+            next((p.dtype for p in self.model.parameters() if p.dtype.is_floating_point), torch.float32),
+            (original_class(self.model).__name__,),
             {"total_parameters": skeleton.num_parameters()} if hasattr(skeleton, "num_parameters") else {},
         )
         return items, request

@@ -1,10 +1,13 @@
 """What a checkpoint holds: its safetensors files, every tensor and where it lives.
 
-A checkpoint is a single ``.safetensors`` file, a directory with ``model.safetensors.index.json``
-(its ``weight_map`` says which file holds which key), or a directory of ``*.safetensors`` files.
+A checkpoint is a single ``.safetensors`` file, a directory with ``model.safetensors`` (read first,
+as transformers does), a directory with ``model.safetensors.index.json`` (its ``weight_map`` says
+which file holds which key), or a directory of ``*.safetensors`` files.
 The index is not trusted: the files it names must stay inside the directory and exist, and after
 the headers are read every key must sit in the file the index says, and nothing else may. A key in
 two files is an error, since either choice would be a silent guess. Pickle checkpoints are refused.
+Files written by hp-dcp-hf carry their save's id (:mod:`hp_dcp_hf.storage.journal`): every file
+read must carry the index's, so a mix of two saves is an error naming the odd files, not a load.
 
 A :class:`Catalog` round-trips through JSON so that one rank can read every header and hand the
 result to the others (never pickle: the bytes cross process boundaries). With the headers go the
@@ -21,13 +24,19 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from hp_dcp_hf.errors import CheckpointFormatError, CheckpointNotFoundError, UnsafeCheckpointError
+from hp_dcp_hf.errors import (
+    CheckpointFormatError,
+    CheckpointNotFoundError,
+    InterruptedSaveError,
+    MixedCheckpointError,
+    UnsafeCheckpointError,
+)
 from hp_dcp_hf.storage.dtypes import lookup_dtype
 from hp_dcp_hf.storage.header import MAX_HEADER_BYTES, FileHeader, TensorEntry, loads_json_object, read_header
+from hp_dcp_hf.storage.journal import INDEX_FILE, JOURNAL_FILE, SAVE_ID_KEY, SINGLE_FILE
 from hp_dcp_hf.storage.location import CheckpointLocation, FileVersion
 from hp_dcp_hf.storage.stats import ReadStats
 
-INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
 QUANTIZATION_CONFIG = "hp_dcp_hf.quantization_config"
 """The key of ``Metadata.planner_data`` under which the reader hands ``config.json``'s
@@ -107,56 +116,82 @@ def _check_index_file_name(name: object, key: str) -> str:
 
 def parse_index(raw: bytes) -> dict[str, str]:
     """The ``weight_map`` of an index file's bytes: key -> file name, every name checked."""
+    return _parse_index(raw)[0]
+
+
+def _parse_index(raw: bytes) -> tuple[dict[str, str], str | None]:
+    """:func:`parse_index`, and the save id in the index's ``metadata`` (None: not written by us)."""
     index = loads_json_object(raw, file=INDEX_FILE)
     weight_map = index.get("weight_map")
     if not isinstance(weight_map, dict):
         raise CheckpointFormatError("index has no weight_map object", file=INDEX_FILE)
-    return {key: _check_index_file_name(name, key) for key, name in weight_map.items()}
+    metadata = index.get("metadata")
+    save_id = metadata.get(SAVE_ID_KEY) if isinstance(metadata, dict) else None
+    return {key: _check_index_file_name(name, key) for key, name in weight_map.items()}, save_id
 
 
-def _read_index(location: CheckpointLocation, stats: ReadStats) -> dict[str, str]:
+def _read_index(location: CheckpointLocation, stats: ReadStats) -> tuple[dict[str, str], str | None]:
     size = location.size(INDEX_FILE)
     if size > MAX_HEADER_BYTES:
         raise CheckpointFormatError(f"{size} bytes exceeds the {MAX_HEADER_BYTES}-byte cap", file=INDEX_FILE)
     with location.open(INDEX_FILE) as handle:
         raw = handle.read(0, size)
     stats.add(INDEX_FILE, header_bytes=size, header_requests=1)
-    return parse_index(raw)
+    return _parse_index(raw)
 
 
 def find_files(
     location: CheckpointLocation, single_file: str | None, stats: ReadStats
 ) -> tuple[tuple[str, ...], dict[str, str] | None]:
     """The safetensors files of the checkpoint and, when it has an index, its weight_map."""
-    files, weight_map, _ = _find(location, single_file, stats)
+    files, weight_map, _, _ = _find(location, single_file, stats)
     return files, weight_map
 
 
 def _find(
     location: CheckpointLocation, single_file: str | None, stats: ReadStats
-) -> tuple[tuple[str, ...], dict[str, str] | None, list[str]]:
-    """:func:`find_files`, plus the names of every file of the directory (none for a single file)."""
+) -> tuple[tuple[str, ...], dict[str, str] | None, list[str], str | None]:
+    """:func:`find_files`, plus the names of every file of the directory (none for a single file)
+    and the index's save id."""
     if single_file is not None:
         if single_file.endswith(SAFETENSORS_SUFFIX):
-            return (single_file,), None, []
+            return (single_file,), None, [], None
         if _is_unsafe(single_file):
             raise UnsafeCheckpointError(_CONVERT_HINT, file=single_file)
         raise CheckpointFormatError("not a .safetensors file", file=single_file)
     names = location.list_files()
+    if SINGLE_FILE in names:  # transformers reads it first, whatever else the directory holds
+        return (SINGLE_FILE,), None, names, None
     if INDEX_FILE in names:
-        weight_map = _read_index(location, stats)
+        weight_map, save_id = _read_index(location, stats)
         files = tuple(sorted(set(weight_map.values())))
         for file in files:
             if not location.exists(file):
                 key = next(k for k, f in weight_map.items() if f == file)
                 raise CheckpointNotFoundError(f"{INDEX_FILE} maps keys to a missing file", file=file, key=key)
-        return files, weight_map, names
+        return files, weight_map, names, save_id
+    if JOURNAL_FILE in names:
+        raise InterruptedSaveError("a save into this path was interrupted while it published; the next save "
+                                   "into it or `hp-dcp-hf repair PATH` completes it", file=location.root)
     files = tuple(name for name in names if name.endswith(SAFETENSORS_SUFFIX))
     if files:
-        return files, None, names
+        return files, None, names, None
     if any(_is_unsafe(name) for name in names):
         raise UnsafeCheckpointError(_CONVERT_HINT, file=location.root)
     raise CheckpointNotFoundError("directory holds no .safetensors files", file=location.root)
+
+
+def _check_one_save(headers: list[FileHeader], index_save_id: str | None) -> None:
+    """Every file belongs to the save that wrote the index (or, without an id in the index, all
+    files to one save or none): a shard copied in from another save is an error naming it."""
+    ids = {header.file: header.metadata.get(SAVE_ID_KEY) for header in headers}
+    expected = index_save_id if index_save_id is not None else next(iter(ids.values()), None)
+    odd = sorted(file for file, save_id in ids.items() if save_id != expected)
+    if odd:
+        described = ", ".join(f"{file!r} (save {ids[file] or 'none: not written by hp-dcp-hf'})" for file in odd)
+        raise MixedCheckpointError(
+            f"files of another save: {described}; the {'index' if index_save_id else 'other files'} belong to save "
+            f"{expected or 'none'}", file=odd[0])
 
 
 def _collect(headers: list[FileHeader], weight_map: Mapping[str, str] | None) -> dict[str, TensorEntry]:
@@ -193,9 +228,10 @@ def scan(
     Each file's version is the one recorded when its size was asked for the header read (no
     request of its own), and that header read is itself checked against it.
     """
-    files, weight_map, names = _find(location, single_file, stats)
+    files, weight_map, names, save_id = _find(location, single_file, stats)
     with ThreadPoolExecutor(max(1, min(num_threads, len(files)))) as pool:
         headers = list(pool.map(lambda file: read_header(location, file, stats), files))
+    _check_one_save(headers, save_id)
     versions = {file: location.version(file) for file in files}
     quantization = _read_quantization_config(location, stats) if CONFIG_FILE in names else None
     return Catalog(location.root, files, _collect(headers, weight_map), versions, quantization)

@@ -1,11 +1,15 @@
 """Where a save's bytes go: one small interface, a backend per kind of storage.
 
 :class:`~hp_dcp_hf.storage.writer.HFStorageWriter` lays the files out and drives a save through a
-:class:`Destination`: the coordinator *stages* the files (invisible under their final names), every
-rank *writes* its boxes, the coordinator *publishes* once every rank succeeded (the index last) or
-*aborts*. Local and shared file systems are a :class:`Directory` (a staging directory, ``pwrite``
-at final offsets, renames); object stores are multipart uploads
-(:mod:`hp_dcp_hf.storage.multipart`). The writer never branches on the backend.
+:class:`Destination`: the coordinator *stages* the files (it takes the path's lock, finishes or
+drops what dead saves left, and makes the files where no reader looks), every rank *writes* its
+boxes, and once every rank succeeded the coordinator *publishes* through a journal
+(:mod:`hp_dcp_hf.storage.journal`: one atomic switch, rolled forward by whoever finds the journal)
+or *aborts*. The steps are the base class's; a backend supplies a handful of primitives (lock,
+list, read, write a small file, remove, commit a staged file). Local and shared file systems are
+a :class:`Directory` (a staging directory, ``pwrite`` at final offsets, renames, ``flock``);
+object stores are multipart uploads under a lease (:mod:`hp_dcp_hf.storage.multipart`). The
+writer never branches on the backend.
 
 :func:`box_runs` is what both write: a box of a tensor as ``(file offset, bytes)`` runs in the
 file's dtype, cast and laid out a staging budget at a time.
@@ -13,11 +17,13 @@ file's dtype, cast and laid out a staging budget at a time.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
-import re
 import shutil
-import uuid
+import socket
+import struct
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -26,14 +32,20 @@ from typing import Any
 import torch
 
 from hp_dcp_hf.box import Box, flat_range_boxes
-from hp_dcp_hf.errors import StorageWriteError
-from hp_dcp_hf.storage.catalog import INDEX_FILE
+from hp_dcp_hf.errors import CheckpointFormatError, HPDCPHFError, StorageWriteError
 from hp_dcp_hf.storage.files import SavedFile, SavedTensor
+from hp_dcp_hf.storage.journal import (
+    INDEX_FILE,
+    JOURNAL_FILE,
+    LOCK_FILE,
+    SAVE_ID_KEY,
+    SINGLE_FILE,
+    STAGING_PREFIX,
+    Journal,
+    final_names,
+    plan_publish,
+)
 from hp_dcp_hf.storage.ranges import box_byte_ranges, box_span, split_box
-
-STAGING_PREFIX = ".hp-dcp-hf-staging-"
-SHARD_NAME = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")
-"""The names of a checkpoint's weight files: an older checkpoint's that the new one lacks are removed."""
 
 
 @dataclass(frozen=True)
@@ -81,58 +93,267 @@ def box_runs(write: BoxWrite, staging_bytes: int, window: tuple[int, int] | None
                 yield tensor.start + start, run
 
 
-class Destination(ABC):
-    """Where the files of a save go (see the module docstring). ``stage`` and ``publish`` run on the
-    coordinator only; ``write`` on every rank, with the token ``stage`` returned."""
+@dataclass(frozen=True)
+class Staged:
+    """A save being written: its id, the name each laid-out file gets at the path, and the
+    backend's handle of each staged file (an upload id; nothing for a directory)."""
 
-    url: str
-
-    @abstractmethod
-    def stage(self, files: Sequence[SavedFile], extra_files: Mapping[str, str]) -> Any:
-        """Prepare every file, invisible under its final name; the token every rank writes with."""
-
-    @abstractmethod
-    def write(self, token: Any, files: Sequence[SavedFile], writes: Sequence[BoxWrite], staging_bytes: int,
-              failure: BaseException | None = None) -> list[int]:
-        """Write every box of ``writes``; the tensor bytes of each. Every rank calls it, also after
-        failing to prepare its writes (``failure``, raised here once the other ranks know)."""
-
-    @abstractmethod
-    def publish(self, token: Any, files: Sequence[SavedFile], extra_files: Mapping[str, str],
-                index: Mapping[str, Any] | None) -> None:
-        """Make the files visible under their final names, the index last, and remove the shards of
-        an older checkpoint that this one does not have."""
-
-    @abstractmethod
-    def abort(self, token: Any) -> None:
-        """Drop what was staged; an older checkpoint at the path stays as it was."""
+    save_id: str
+    names: dict[str, str]
+    handles: dict[str, str]
 
 
 def index_text(index: Mapping[str, Any]) -> str:
     return json.dumps(index, indent=2, sort_keys=True) + "\n"
 
 
+def owner_text(save_id: str, **extra: Any) -> str:
+    """Who holds a path's lock: the save, the host and the process (for the error of a second save)."""
+    return json.dumps({"save_id": save_id, "host": socket.gethostname(), "pid": os.getpid(), **extra})
+
+
+class Destination(ABC):
+    """Where the files of a save go (see the module docstring). ``stage``, ``publish``, ``abort``
+    and ``repair`` run on the coordinator only; ``write`` on every rank, with what ``stage`` returned."""
+
+    url: str
+
+    # -- the save ---------------------------------------------------------------------------------
+    def stage(self, files: Sequence[SavedFile], save_id: str) -> Staged:
+        """Take the path's lock, finish or drop what dead saves left, and stage every file where no
+        reader of the path looks (under the name it will be published as)."""
+        self.lock(save_id)
+        try:
+            self.recover()
+            names = final_names([f.name for f in files], self.list_names(), save_id)
+            return Staged(save_id, names, self.stage_files(files, names, save_id))
+        except BaseException:
+            self.unlock()
+            raise
+
+    @abstractmethod
+    def write(self, staged: Staged, files: Sequence[SavedFile], writes: Sequence[BoxWrite], staging_bytes: int,
+              failure: BaseException | None = None) -> list[int]:
+        """Write every box of ``writes``; the tensor bytes of each. Every rank calls it, also after
+        failing to prepare its writes (``failure``, raised here once the other ranks know)."""
+
+    def publish(self, staged: Staged, files: Sequence[SavedFile], extra_files: Mapping[str, str],
+                index: Mapping[str, Any] | None) -> None:
+        """Every rank's bytes are durable: journal the switch, then carry it out (see
+        :mod:`hp_dcp_hf.storage.journal`) and release the lock."""
+        self.check_staged(staged, files)
+        existing = self.list_names()
+        texts = {name: raw.decode() for name in extra_files if name in existing
+                 and (raw := self.read_bytes(name)) is not None}
+        if index is not None:  # naming the files as published
+            index = {**index, "weight_map": {key: staged.names[name] for key, name in index["weight_map"].items()}}
+        journal = plan_publish(staged.save_id, [staged.names[f.name] for f in files],
+                               index_text(index) if index is not None else None, extra_files, existing, texts,
+                               {staged.names[name]: handle for name, handle in staged.handles.items()})
+        self.write_text(JOURNAL_FILE, journal.to_json())  # the commit point: from here on, roll forward
+        self._journaled = staged.save_id
+        try:
+            self.roll_forward(journal)
+        except HPDCPHFError as e:
+            raise StorageWriteError(f"publishing save {staged.save_id} stopped after its journal was written "
+                                    f"({e}); the next save into the path or `hp-dcp-hf repair` completes it",
+                                    file=self.url) from e
+        self.unlock()
+
+    def abort(self, staged: Staged | None) -> None:
+        """Drop what was staged, unless its journal was written (then it is rolled forward by the
+        next save or repair); an older checkpoint at the path stays as it was."""
+        if staged is not None and getattr(self, "_journaled", None) != staged.save_id:
+            with contextlib.suppress(Exception):  # the next save drops what is left
+                self.drop_staged(staged)
+        self.unlock()
+
+    def repair(self) -> str:
+        """Finish an interrupted publish or drop a dead save's staged data; what was done, in words."""
+        self.lock("repair")
+        try:
+            return self.recover()
+        finally:
+            self.unlock()
+
+    def recover(self) -> str:
+        """With the lock held (no save runs here): roll a journaled publish forward, drop the rest."""
+        raw = self.read_bytes(JOURNAL_FILE)
+        done = []
+        if raw is not None:
+            journal = Journal.from_json(raw, file=f"{self.url.rstrip('/')}/{JOURNAL_FILE}")
+            self.roll_forward(journal)
+            done.append(f"completed the publish of save {journal.save_id}")
+        dropped = self.drop_abandoned()
+        if dropped:
+            done.append(f"removed {dropped} abandoned staging item(s)")
+        return "; ".join(done) or "nothing to repair"
+
+    def roll_forward(self, journal: Journal) -> None:
+        """Carry out every step of ``journal`` (each is idempotent), then drop the journal."""
+        for step in journal.steps:
+            if step.op == "commit":
+                self.commit(journal, step.name)
+            elif step.op == "write":
+                self.write_text(step.name, step.text or "")
+            else:
+                self.remove(step.name)
+        self.after_publish(journal)
+        self.remove(JOURNAL_FILE)
+
+    def current_save_id(self) -> str | None:
+        """The save id of the checkpoint at the path now (its entry file's), None without one."""
+        with contextlib.suppress(Exception):
+            head = self.read_bytes(SINGLE_FILE, 0, 8)
+            if head is not None and len(head) == 8:
+                raw = self.read_bytes(SINGLE_FILE, 8, 8 + min(struct.unpack("<Q", head)[0], 100 * 2**20))
+                return json.loads(raw or b"{}").get("__metadata__", {}).get(SAVE_ID_KEY)
+            raw = self.read_bytes(INDEX_FILE)
+            if raw is not None:
+                return json.loads(raw).get("metadata", {}).get(SAVE_ID_KEY)
+        return None
+
+    # -- primitives of a backend ------------------------------------------------------------------
+    @abstractmethod
+    def lock(self, save_id: str) -> None:
+        """Take the path's lock for this save, or raise :class:`StorageWriteError` naming its holder."""
+
+    @abstractmethod
+    def unlock(self) -> None:
+        """Release the lock if this object holds it."""
+
+    @abstractmethod
+    def list_names(self) -> set[str]:
+        """The names of the files directly under the path."""
+
+    @abstractmethod
+    def read_bytes(self, name: str, start: int = 0, end: int | None = None) -> bytes | None:
+        """Bytes ``[start, end)`` of file ``name`` (to its end by default); None when it does not exist."""
+
+    @abstractmethod
+    def write_text(self, name: str, text: str) -> None:
+        """Replace small file ``name`` with ``text`` atomically and durably."""
+
+    @abstractmethod
+    def remove(self, name: str) -> None:
+        """Remove file ``name``, durably; a missing one is removed already."""
+
+    @abstractmethod
+    def stage_files(self, files: Sequence[SavedFile], names: Mapping[str, str], save_id: str) -> dict[str, str]:
+        """Create every file where no reader looks; the handles :meth:`commit` finds them by."""
+
+    @abstractmethod
+    def commit(self, journal: Journal, name: str) -> None:
+        """Make staged file ``name`` visible at its name, atomically (done already: nothing)."""
+
+    @abstractmethod
+    def drop_staged(self, staged: Staged) -> None:
+        """Drop what :meth:`stage_files` made for ``staged``."""
+
+    @abstractmethod
+    def drop_abandoned(self) -> int:
+        """Drop every staged file and upload of the path (the lock is held: their saves are dead)."""
+
+    @abstractmethod
+    def check_staged(self, staged: Staged, files: Sequence[SavedFile]) -> None:
+        """Raise unless every staged file is there whole (checked before the journal is written)."""
+
+    @abstractmethod
+    def after_publish(self, journal: Journal) -> None:
+        """Drop what the publish of ``journal`` no longer needs."""
+
+
 class Directory(Destination):
     """A local or shared (POSIX) directory: a staging directory beside the files, every file created
-    there at its final size, ``pwrite`` of each box at its final offsets, then renames."""
+    there at its final size, ``pwrite`` of each box at its final offsets, then renames; a save holds
+    an ``flock`` on the lock file (released by the kernel when the process dies)."""
 
     def __init__(self, path: str) -> None:
         self.url = path
+        self._lock_fd: int | None = None
 
-    def stage(self, files: Sequence[SavedFile], extra_files: Mapping[str, str]) -> str:
+    def _path(self, name: str) -> str:
+        return os.path.join(self.url, name)
+
+    def _sync_directory(self, path: str | None = None) -> None:
+        fd = os.open(path or self.url, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    # -- lock -------------------------------------------------------------------------------------
+    def lock(self, save_id: str) -> None:
         os.makedirs(self.url, exist_ok=True)
-        staging = os.path.join(self.url, f"{STAGING_PREFIX}{uuid.uuid4().hex}")
+        path = self._path(LOCK_FILE)
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 4096, 0).decode(errors="replace")
+                os.close(fd)
+                raise StorageWriteError(f"another save into this path is running ({holder}); wait for it to end",
+                                        file=self.url) from None
+            try:
+                same = os.fstat(fd).st_ino == os.stat(path).st_ino  # not a lock file its holder just removed
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, owner_text(save_id).encode(), 0)
+        self._lock_fd = fd
+
+    def unlock(self) -> None:
+        if self._lock_fd is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self._path(LOCK_FILE))  # while still holding it: a waiter re-checks the inode
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    # -- files ------------------------------------------------------------------------------------
+    def list_names(self) -> set[str]:
+        try:
+            return set(os.listdir(self.url))
+        except FileNotFoundError:
+            return set()
+
+    def read_bytes(self, name: str, start: int = 0, end: int | None = None) -> bytes | None:
+        try:
+            with open(self._path(name), "rb") as handle:
+                handle.seek(start)
+                return handle.read(-1 if end is None else end - start)
+        except FileNotFoundError:
+            return None
+
+    def write_text(self, name: str, text: str) -> None:
+        temporary = self._path(f"{STAGING_PREFIX}{name}")
+        with open(temporary, "w") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, self._path(name))
+        self._sync_directory()
+
+    def remove(self, name: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(self._path(name))
+            self._sync_directory()
+
+    # -- staging ----------------------------------------------------------------------------------
+    def stage_files(self, files: Sequence[SavedFile], names: Mapping[str, str], save_id: str) -> dict[str, str]:
+        staging = self._path(f"{STAGING_PREFIX}{save_id}")
         os.mkdir(staging)
         for file in files:
             with open(os.path.join(staging, file.name), "wb") as handle:
                 handle.write(file.header)
                 handle.truncate(file.size)
-        for name, text in extra_files.items():
-            with open(os.path.join(staging, name), "w") as handle:
-                handle.write(text)
-        return staging
+        self._sync_directory(staging)
+        return {file.name: f"{STAGING_PREFIX}{save_id}/{file.name}" for file in files}
 
-    def write(self, token: str, files: Sequence[SavedFile], writes: Sequence[BoxWrite], staging_bytes: int,
+    def write(self, staged: Staged, files: Sequence[SavedFile], writes: Sequence[BoxWrite], staging_bytes: int,
               failure: BaseException | None = None) -> list[int]:
         if failure is not None:  # no other rank waits for this one's bytes
             raise failure
@@ -142,7 +363,7 @@ class Directory(Destination):
             for write in writes:
                 name = write.tensor.file
                 if name not in handles:
-                    handles[name] = os.open(os.path.join(token, name), os.O_WRONLY)
+                    handles[name] = os.open(self._path(staged.handles[name]), os.O_WRONLY)
                 total = 0
                 for offset, run in box_runs(write, staging_bytes):
                     if os.pwrite(handles[name], run, offset) != len(run):
@@ -152,30 +373,42 @@ class Directory(Destination):
             for fd in handles.values():
                 os.fsync(fd)
         except OSError as e:
-            raise StorageWriteError(f"writing failed: {e}", file=token) from e
+            raise StorageWriteError(f"writing failed: {e}", file=self._path(f"{STAGING_PREFIX}{staged.save_id}")) from e
         finally:
             for fd in handles.values():
                 os.close(fd)
         return written
 
-    def publish(self, token: str, files: Sequence[SavedFile], extra_files: Mapping[str, str],
-                index: Mapping[str, Any] | None) -> None:
-        names = {f.name for f in files}
-        for name in [*sorted(names), *sorted(extra_files)]:
-            os.replace(os.path.join(token, name), os.path.join(self.url, name))
-        index_path = os.path.join(self.url, INDEX_FILE)
-        if index is not None:
-            staged_index = os.path.join(token, INDEX_FILE)
-            with open(staged_index, "w") as handle:
-                handle.write(index_text(index))
-            os.replace(staged_index, index_path)
-        elif os.path.exists(index_path):
-            os.remove(index_path)
-        for name in os.listdir(self.url):
-            if SHARD_NAME.fullmatch(name) and name not in names:
-                os.remove(os.path.join(self.url, name))
-        self.abort(token)
+    def check_staged(self, staged: Staged, files: Sequence[SavedFile]) -> None:
+        for file in files:
+            path = self._path(staged.handles[file.name])
+            size = os.path.getsize(path) if os.path.exists(path) else None
+            if size != file.size:
+                raise StorageWriteError(f"the staged file holds {size} bytes, the file needs {file.size}", file=path)
 
-    def abort(self, token: str | None) -> None:
-        if token is not None:
-            shutil.rmtree(token, ignore_errors=True)
+    def commit(self, journal: Journal, name: str) -> None:
+        staged = self._path(journal.staged[name])
+        if not os.path.exists(staged):
+            if os.path.exists(self._path(name)):
+                return  # renamed already, by a publish that was interrupted after it
+            raise CheckpointFormatError(f"the journal of save {journal.save_id} commits {name!r}, but neither "
+                                        "its staged copy nor the file exists", file=self._path(JOURNAL_FILE))
+        os.replace(staged, self._path(name))
+        self._sync_directory()
+
+    def drop_staged(self, staged: Staged) -> None:
+        shutil.rmtree(self._path(f"{STAGING_PREFIX}{staged.save_id}"), ignore_errors=True)
+
+    def drop_abandoned(self) -> int:
+        dropped = [name for name in self.list_names() if name.startswith(STAGING_PREFIX)]
+        for name in dropped:
+            path = self._path(name)
+            if os.path.isdir(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(path)
+        return len(dropped)
+
+    def after_publish(self, journal: Journal) -> None:
+        shutil.rmtree(self._path(f"{STAGING_PREFIX}{journal.save_id}"), ignore_errors=True)

@@ -54,10 +54,21 @@ class SavedFile:
         return len(self.header) + sum(t.nbytes for t in self.tensors)
 
 
-def layout_file(name: str, specs: Mapping[str, tuple[torch.dtype, Sequence[int]]]) -> SavedFile:
-    """File ``name`` holding ``specs`` (key -> (dtype, shape)), laid out as safetensors does."""
+def save_pretrained_max_shard_size() -> int | str:
+    """``save_pretrained``'s default ``max_shard_size`` in the installed transformers ("50GB" in 5.x)."""
+    import inspect
+
+    from transformers import PreTrainedModel
+
+    return inspect.signature(PreTrainedModel.save_pretrained).parameters["max_shard_size"].default
+
+
+def layout_file(name: str, specs: Mapping[str, tuple[torch.dtype, Sequence[int]]],
+                metadata: Mapping[str, str] | None = None) -> SavedFile:
+    """File ``name`` holding ``specs`` (key -> (dtype, shape)), laid out as safetensors does;
+    ``metadata`` joins ``{"format": "pt"}`` in the header's ``__metadata__``."""
     order = sorted(specs, key=lambda key: (-specs[key][0].itemsize, key))
-    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+    header: dict[str, object] = {"__metadata__": {"format": "pt", **(metadata or {})}}
     offset = 0
     for key in order:
         dtype, shape = specs[key]
@@ -77,8 +88,9 @@ def layout_file(name: str, specs: Mapping[str, tuple[torch.dtype, Sequence[int]]
 
 def layout_files(
     specs: Mapping[str, tuple[torch.dtype, Sequence[int]]],
-    max_shard_size: int | str,
+    max_shard_size: int | str | None,
     storage: Mapping[str, tuple[int, int]] | None = None,
+    metadata: Mapping[str, str] | None = None,
 ) -> tuple[list[SavedFile], dict | None]:
     """The files ``save_pretrained`` would write for ``specs`` (in its order), and the index it would
     write next to them (None for a single file).
@@ -87,8 +99,12 @@ def layout_files(
     storage, not by tensor: tensors that are views of one storage (the per-expert weights
     ``revert_weight_conversion`` cuts out of a stacked experts parameter) count that storage once,
     at the first of them, and go to that one's file. By default every tensor is its own storage.
+    ``metadata``: more ``__metadata__`` for every file (the save id).
     """
     from huggingface_hub import split_state_dict_into_shards_factory
+
+    if max_shard_size is None:
+        max_shard_size = save_pretrained_max_shard_size()
 
     storage = storage or {key: (i, math.prod(shape)) for i, (key, (_, shape)) in enumerate(specs.items())}
     split = split_state_dict_into_shards_factory(
@@ -98,7 +114,7 @@ def layout_files(
         filename_pattern=FILE_PATTERN,
         max_shard_size=max_shard_size,
     )
-    files = [layout_file(name, {k: specs[k] for k in keys}) for name, keys in split.filename_to_tensors.items()]
+    files = [layout_file(name, {k: specs[k] for k in keys}, metadata) for name, keys in split.filename_to_tensors.items()]
     if not split.is_sharded:
         return files, None
     return files, {"metadata": dict(split.metadata), "weight_map": dict(split.tensor_to_filename)}

@@ -267,6 +267,8 @@ class FsspecBackend(Backend):
         return super().stat(path)
 
     def list_files(self, root: str) -> list[str]:
+        if not self.local:  # a listing cached by an earlier load in this process may predate a save since
+            self.fs.invalidate_cache(root)
         entries = self._call("list", root, lambda: self.fs.ls(root, detail=True))
         return sorted(posixpath.basename(e["name"].rstrip("/")) for e in entries if e.get("type") == "file")
 

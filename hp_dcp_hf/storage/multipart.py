@@ -10,16 +10,24 @@ is exchanged. Network: each rank sends its tensor bytes less those in its own pa
 uploaded once; the local path moves nothing between ranks.
 
 A failure anywhere travels with the next exchange (a flag in the counts), so every rank stops at
-the same round and raises the failing rank's error; the coordinator then aborts the uploads, and an older checkpoint at the
-path is untouched. Publishing checks each upload's parts with the server (``ListParts``: every
-part present with its planned size) before completing it, then writes ``config.json`` and the
-index last.
+the same round and raises the failing rank's error; the coordinator then aborts the uploads, and an
+older checkpoint at the path is untouched. Publishing checks each upload's parts with the server
+(``ListParts``: every part present with its planned size), then journals the switch
+(:mod:`hp_dcp_hf.storage.journal`): uploads are completed, ``config.json`` and the index put as
+its steps say. A save holds a lease object under the prefix (created with ``If-None-Match``,
+renewed in the background); a dead save's lease (expired, or of a process gone on this host) is
+taken over with ``If-Match``, and the uploads it left are aborted (``ListMultipartUploads``).
 """
 
 from __future__ import annotations
 
 import bisect
 import contextlib
+import json
+import os
+import socket
+import threading
+import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -30,9 +38,9 @@ import torch.distributed as dist
 
 from hp_dcp_hf.errors import HPDCPHFError, StorageWriteError
 from hp_dcp_hf.storage.broadcast import agree_on_failure, should_broadcast
-from hp_dcp_hf.storage.catalog import INDEX_FILE
-from hp_dcp_hf.storage.destination import SHARD_NAME, BoxWrite, Destination, box_runs, index_text
+from hp_dcp_hf.storage.destination import BoxWrite, Destination, Staged, box_runs, owner_text
 from hp_dcp_hf.storage.files import SavedFile
+from hp_dcp_hf.storage.journal import LOCK_FILE, Journal
 from hp_dcp_hf.storage.parts import Part, file_parts, part_size, rounds
 
 DEFAULT_PART_BYTES = 16 * 2**20
@@ -40,6 +48,9 @@ DEFAULT_PART_BYTES = 16 * 2**20
 the staging budget (one part assembling, :data:`UPLOADS_IN_FLIGHT` uploading)."""
 
 UPLOADS_IN_FLIGHT = 2
+LEASE_SECONDS = 120.0
+"""How long a save's lease lasts unrenewed: a save killed on another host blocks the next save
+into its prefix this long (on the same host, a dead process's lease is taken over at once)."""
 
 Run = tuple[int, memoryview]  # (offset in its part, bytes)
 
@@ -48,9 +59,12 @@ class MultipartUploads(Destination):
     """The files of a save as S3 objects under ``root`` of s3fs filesystem ``fs``; ``part_bytes``
     per part (at least 5 MiB; more for a file that would need over 10,000 parts)."""
 
-    def __init__(self, fs: Any, root: str, url: str, part_bytes: int = DEFAULT_PART_BYTES) -> None:
+    def __init__(self, fs: Any, root: str, url: str, part_bytes: int = DEFAULT_PART_BYTES,
+                 lease_seconds: float = LEASE_SECONDS) -> None:
         part_size(0, part_bytes)  # validates
         self.fs, self.root, self.url, self.part_bytes = fs, root.rstrip("/"), url, part_bytes
+        self.lease_seconds = lease_seconds
+        self._lease: _Lease | None = None
         self.bytes_sent = 0
         """Tensor bytes this rank sent to other ranks' parts (the network cost of the last save)."""
         self.bytes_uploaded = 0
@@ -68,17 +82,96 @@ class MultipartUploads(Destination):
         except Exception as e:  # noqa: BLE001 - s3fs raises OSError subclasses and botocore errors
             raise StorageWriteError(f"{what} failed: {type(e).__name__}: {e}", file=self._url(name)) from e
 
-    # -- stage ------------------------------------------------------------------------------------
-    def stage(self, files: Sequence[SavedFile], extra_files: Mapping[str, str]) -> dict[str, str]:
-        """Create every file's upload; ``{file: upload id}``. ``extra_files`` are put when publishing."""
+    def _missing(self, error: StorageWriteError) -> bool:
+        return any(code in error.reason for code in ("NoSuchKey", "NoSuchUpload", "404", "FileNotFoundError"))
+
+    # -- primitives -------------------------------------------------------------------------------
+    def lock(self, save_id: str) -> None:
+        self._lease = _Lease.take(self, save_id)
+
+    def unlock(self) -> None:
+        if self._lease is not None:
+            self._lease.release()
+            self._lease = None
+
+    def list_names(self) -> set[str]:
+        self.fs.invalidate_cache(self.root)
+        try:
+            return {path.rsplit("/", 1)[-1] for path in self.fs.ls(self.root, detail=False)}
+        except FileNotFoundError:
+            return set()
+
+    def read_bytes(self, name: str, start: int = 0, end: int | None = None) -> bytes | None:
+        try:
+            return self.fs.cat_file(f"{self.root}/{name}", start=start, end=end)
+        except FileNotFoundError:
+            return None
+        except Exception as e:  # noqa: BLE001 - s3fs raises OSError subclasses and botocore errors
+            raise StorageWriteError(f"reading failed: {type(e).__name__}: {e}", file=self._url(name)) from e
+
+    def write_text(self, name: str, text: str) -> None:
+        self._call("put_object", name, Body=text.encode())
+
+    def remove(self, name: str) -> None:
+        self._call("delete_object", name)
+
+    def stage_files(self, files: Sequence[SavedFile], names: Mapping[str, str], save_id: str) -> dict[str, str]:
+        """Create every file's upload at its final key (invisible until completed); ``{file: upload id}``."""
         uploads: dict[str, str] = {}
         try:
             for file in files:
-                uploads[file.name] = self._call("create_multipart_upload", file.name)["UploadId"]
+                uploads[file.name] = self._call("create_multipart_upload", names[file.name])["UploadId"]
         except BaseException:
-            self.abort(uploads)
+            self.drop_staged(Staged(save_id, dict(names), uploads))
             raise
         return uploads
+
+    def check_staged(self, staged: Staged, files: Sequence[SavedFile]) -> None:
+        """Every upload holds every planned part with its planned size (the server says so)."""
+        if self._lease is not None:
+            self._lease.check()
+        for file in files:
+            planned = [(p.number, p.nbytes) for p in file_parts([(file.name, file.size)], self.part_bytes)]
+            listed = [(p["PartNumber"], p["Size"]) for p in self._listed_parts(staged.names[file.name],
+                                                                                 staged.handles[file.name])]
+            if listed != planned:
+                raise StorageWriteError(f"the upload holds parts {listed}, the file needs {planned}",
+                                        file=self._url(staged.names[file.name]))
+
+    def commit(self, journal: Journal, name: str) -> None:
+        upload_id = journal.staged[name]
+        try:
+            listed = self._listed_parts(name, upload_id)
+        except StorageWriteError as e:
+            if self._missing(e) and self.fs.exists(f"{self.root}/{name}"):
+                return  # completed already, by a publish that was interrupted after it
+            raise
+        self._call("complete_multipart_upload", name, UploadId=upload_id, MultipartUpload={
+            "Parts": [{"PartNumber": p["PartNumber"], "ETag": p["ETag"]} for p in listed]})
+
+    def after_publish(self, journal: Journal) -> None:
+        """A completed upload leaves nothing staged; s3fs's listings of the prefix are stale now."""
+        self.fs.invalidate_cache(self.root)
+
+    def drop_staged(self, staged: Staged) -> None:
+        for layout_name, upload_id in staged.handles.items():
+            with contextlib.suppress(StorageWriteError):  # completed already, or the server is gone
+                self._call("abort_multipart_upload", staged.names[layout_name], UploadId=upload_id)
+
+    def drop_abandoned(self) -> int:
+        """Abort every pending upload of a key directly under the prefix."""
+        bucket, prefix, _ = self.fs.split_path(f"{self.root}/")
+        dropped, marks = 0, {}
+        while True:
+            page = self.fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix, **marks)
+            for upload in page.get("Uploads", []):
+                if "/" not in upload["Key"][len(prefix):]:
+                    with contextlib.suppress(StorageWriteError):
+                        self._call("abort_multipart_upload", upload["Key"][len(prefix):], UploadId=upload["UploadId"])
+                        dropped += 1
+            if not page.get("IsTruncated"):
+                return dropped
+            marks = {"KeyMarker": page["NextKeyMarker"], "UploadIdMarker": page["NextUploadIdMarker"]}
 
     # -- write ------------------------------------------------------------------------------------
     def _group(self) -> tuple[Any, int, int]:
@@ -91,14 +184,14 @@ class MultipartUploads(Destination):
             self._gloo = dist.new_group(backend="gloo")
         return self._gloo, dist.get_rank(), dist.get_world_size()
 
-    def write(self, token: dict[str, str], files: Sequence[SavedFile], writes: Sequence[BoxWrite],
+    def write(self, staged: Staged, files: Sequence[SavedFile], writes: Sequence[BoxWrite],
               staging_bytes: int, failure: BaseException | None = None) -> list[int]:
         group, rank, world = self._group()
         headers = {f.name: f.header for f in files}
         spans = [w.span() for w in writes]
         written = [0] * len(writes)
         self.bytes_sent = self.bytes_uploaded = 0
-        uploader = _Uploader(self, token)
+        uploader = _Uploader(self, staged)
         error = failure  # the rounds still run, carrying it to every rank
         try:
             for owned in rounds(file_parts([(f.name, f.size) for f in files], self.part_bytes), world):
@@ -151,31 +244,9 @@ class MultipartUploads(Destination):
                     sends[owner].append((offset - part.start, run[:take]))
                     run, offset, k = run[take:], offset + take, k + 1
 
-    def upload(self, upload_id: str, part: Part, data: torch.Tensor) -> None:
-        self._call("upload_part", part.file, UploadId=upload_id, PartNumber=part.number, Body=data.numpy().tobytes())
-
-    # -- publish ----------------------------------------------------------------------------------
-    def publish(self, token: dict[str, str], files: Sequence[SavedFile], extra_files: Mapping[str, str],
-                index: Mapping[str, Any] | None) -> None:
-        for file in files:
-            planned = file_parts([(file.name, file.size)], self.part_bytes)
-            listed = self._listed_parts(file.name, token[file.name])
-            if [(p["PartNumber"], p["Size"]) for p in listed] != [(p.number, p.nbytes) for p in planned]:
-                raise StorageWriteError(
-                    f"the upload holds parts {[(p['PartNumber'], p['Size']) for p in listed]}, the file needs "
-                    f"{[(p.number, p.nbytes) for p in planned]}", file=self._url(file.name))
-            self._call("complete_multipart_upload", file.name, UploadId=token[file.name], MultipartUpload={
-                "Parts": [{"PartNumber": p["PartNumber"], "ETag": p["ETag"]} for p in listed]})
-        for name, text in sorted(extra_files.items()):
-            self._call("put_object", name, Body=text.encode())
-        if index is not None:
-            self._call("put_object", INDEX_FILE, Body=index_text(index).encode())
-        keep = {f.name for f in files} | ({INDEX_FILE} if index is not None else set())
-        self.fs.invalidate_cache(self.root)
-        stale = [path for path in self.fs.ls(self.root, detail=False)
-                 if (SHARD_NAME.fullmatch(name := path.rsplit("/", 1)[-1]) or name == INDEX_FILE) and name not in keep]
-        if stale:
-            self.fs.rm(stale)
+    def upload(self, staged: Staged, part: Part, data: torch.Tensor) -> None:
+        self._call("upload_part", staged.names[part.file], UploadId=staged.handles[part.file], PartNumber=part.number,
+                   Body=data.numpy().tobytes())
 
     def _listed_parts(self, name: str, upload_id: str) -> list[dict[str, Any]]:
         parts: list[dict[str, Any]] = []
@@ -187,17 +258,95 @@ class MultipartUploads(Destination):
                 return parts
             marker = int(page["NextPartNumberMarker"])
 
-    def abort(self, token: dict[str, str] | None) -> None:
-        for name, upload_id in (token or {}).items():
-            with contextlib.suppress(StorageWriteError):  # completed already, or the server is gone
-                self._call("abort_multipart_upload", name, UploadId=upload_id)
+
+
+class _Lease:
+    """The lock of an S3 prefix: an object that exists while a save runs there, created only if
+    absent, renewed every third of its term, taken over only from a dead holder."""
+
+    def __init__(self, destination: MultipartUploads, save_id: str, etag: str) -> None:
+        self.destination, self.save_id, self.etag = destination, save_id, etag
+        self.lost: str | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._renew, name="hp-dcp-hf-lease", daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _body(destination: MultipartUploads, save_id: str) -> bytes:
+        return owner_text(save_id, expires=time.time() + destination.lease_seconds).encode()
+
+    @classmethod
+    def take(cls, destination: MultipartUploads, save_id: str) -> _Lease:
+        body = cls._body(destination, save_id)
+        try:
+            answer = destination._call("put_object", LOCK_FILE, Body=body, IfNoneMatch="*")
+        except StorageWriteError as e:
+            if not _precondition_failed(e):
+                raise
+            answer = cls._take_over(destination, save_id, body)
+        return cls(destination, save_id, answer["ETag"])
+
+    @staticmethod
+    def _take_over(destination: MultipartUploads, save_id: str, body: bytes) -> dict[str, Any]:
+        etag = destination._call("head_object", LOCK_FILE)["ETag"]  # then the body: a newer one fails If-Match
+        raw = destination.read_bytes(LOCK_FILE) or b""
+        try:
+            holder = json.loads(raw)
+            expired = float(holder["expires"]) < time.time()
+            gone = holder.get("host") == socket.gethostname() and not _alive(int(holder["pid"]))
+        except (ValueError, KeyError, TypeError):
+            holder, expired, gone = raw.decode(errors="replace"), True, True
+        if not (expired or gone):
+            raise StorageWriteError(f"another save into this prefix is running ({raw.decode(errors='replace')}); "
+                                    "wait for it to end", file=destination.url)
+        try:  # only if nobody renewed or took it since it was read
+            return destination._call("put_object", LOCK_FILE, Body=body, IfMatch=etag)
+        except StorageWriteError as e:
+            raise StorageWriteError(f"another save took the prefix's lease first ({e.reason})",
+                                    file=destination.url) from e
+
+    def _renew(self) -> None:
+        while not self._stop.wait(self.destination.lease_seconds / 3):
+            try:
+                body = self._body(self.destination, self.save_id)
+                self.etag = self.destination._call("put_object", LOCK_FILE, Body=body, IfMatch=self.etag)["ETag"]
+            except StorageWriteError as e:
+                self.lost = e.reason
+                return
+
+    def check(self) -> None:
+        """Raise if the lease was lost (another save may have taken the prefix over)."""
+        if self.lost is not None:
+            raise StorageWriteError(f"the save lost its lease on the prefix: {self.lost}", file=self.destination.url)
+
+    def release(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        with contextlib.suppress(StorageWriteError):
+            self.destination._call("delete_object", LOCK_FILE)
+
+
+def _precondition_failed(error: StorageWriteError) -> bool:
+    """A conditional put refused (s3fs turns S3's 412 into ``FileExistsError``)."""
+    return isinstance(error.__cause__, FileExistsError) or any(
+        code in error.reason for code in ("PreconditionFailed", "412", "ConditionalRequestConflict"))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 class _Uploader:
     """Uploads assembled parts in the background, at most :data:`UPLOADS_IN_FLIGHT` at once."""
 
-    def __init__(self, destination: MultipartUploads, uploads: Mapping[str, str]) -> None:
-        self.destination, self.uploads = destination, uploads
+    def __init__(self, destination: MultipartUploads, staged: Staged) -> None:
+        self.destination, self.staged = destination, staged
         self.pool = ThreadPoolExecutor(UPLOADS_IN_FLIGHT, thread_name_prefix="hp-dcp-hf-upload")
         self.pending: deque[Future[None]] = deque()
         self.error: BaseException | None = None
@@ -206,7 +355,7 @@ class _Uploader:
         while len(self.pending) >= UPLOADS_IN_FLIGHT:
             self._reap(self.pending.popleft())
         self.destination.bytes_uploaded += part.nbytes
-        self.pending.append(self.pool.submit(self.destination.upload, self.uploads[part.file], part, data))
+        self.pending.append(self.pool.submit(self.destination.upload, self.staged, part, data))
 
     def _reap(self, future: Future[None]) -> None:
         try:

@@ -4,18 +4,21 @@ pass, each rank its own bytes at their final offsets, published atomically.
 Every rank lays the files out alike from the tensor specs its planner gives
 (:mod:`hp_dcp_hf.storage.files`); no data is exchanged for it. The coordinator stages the files
 (invisible under their final names), every rank writes the boxes its plan holds, and only after
-every rank reported success does the coordinator publish them, ``model.safetensors.index.json``
-last, removing what an older checkpoint at the path had and this one does not. A failure on any
-rank fails the save on every rank (DCP raises on all of them) before anything was published; what
-was staged is then dropped by :func:`hp_dcp_hf.save_hf_checkpoint` (or is left, named, by a bare
-``dcp.save``). Where the bytes go is a :class:`~hp_dcp_hf.storage.destination.Destination`: a
-local or shared directory, or S3 multipart uploads.
+every rank reported success does the coordinator publish them through one atomic switch
+(:mod:`hp_dcp_hf.storage.journal`), removing what an older checkpoint at the path had and this one
+does not. Every file and the index carry the save's id, so a reader can tell a mix. A failure on
+any rank fails the save on every rank (DCP raises on all of them) before anything was published;
+what was staged is then dropped by :func:`hp_dcp_hf.save_hf_checkpoint`, or by the next save into
+the path (a killed save's too). Where the bytes go is a
+:class:`~hp_dcp_hf.storage.destination.Destination`: a local or shared directory, or S3 multipart
+uploads.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import uuid
 from typing import Any
 
 import fsspec
@@ -27,18 +30,21 @@ from torch.futures import Future
 
 from hp_dcp_hf.box import Box
 from hp_dcp_hf.errors import PlanningError, StorageWriteError
-from hp_dcp_hf.storage.destination import BoxWrite, Destination, Directory
+from hp_dcp_hf.storage.broadcast import share_from_rank0, should_broadcast
+from hp_dcp_hf.storage.destination import BoxWrite, Destination, Directory, Staged
 from hp_dcp_hf.storage.files import SavedFile, SavedTensor, layout_files
-from hp_dcp_hf.storage.multipart import DEFAULT_PART_BYTES, MultipartUploads
+from hp_dcp_hf.storage.journal import SAVE_ID_KEY
+from hp_dcp_hf.storage.multipart import DEFAULT_PART_BYTES, LEASE_SECONDS, MultipartUploads
 
 
-def destination_for(path: str, storage_options: dict[str, Any], part_bytes: int) -> Destination:
+def destination_for(path: str, storage_options: dict[str, Any], part_bytes: int = DEFAULT_PART_BYTES,
+                    lease_seconds: float = LEASE_SECONDS) -> Destination:
     """The destination of ``path``: a directory (local path or ``file://``), or S3 (``s3://``)."""
     if "://" not in path or path.startswith("file://"):
         return Directory(path.removeprefix("file://"))
     if path.startswith(("s3://", "s3a://")):
         fs, root = fsspec.core.url_to_fs(path, **storage_options)
-        return MultipartUploads(fs, root, path, part_bytes)
+        return MultipartUploads(fs, root, path, part_bytes, lease_seconds)
     raise StorageWriteError("saves go to local or shared file systems and to S3 (multipart uploads); "
                             "save to a directory, then upload it", file=path)
 
@@ -48,23 +54,26 @@ class HFStorageWriter(StorageWriter):
     checkpoint at ``path``: a directory, or an ``s3://`` prefix (``storage_options`` as s3fs takes
     them: ``key``, ``secret``, ``endpoint_url``, ``client_kwargs``, ...).
 
-    ``max_shard_size``: as ``save_pretrained``'s (``"5GB"``, or bytes). ``dtype``: cast floating-point
-    tensors to it on write (default: each tensor's own dtype). ``staging_bytes``: the most memory a
-    rank uses at once to cast and lay out a box before writing it. ``part_bytes``: the part size of
-    S3 uploads (at least 5 MiB).
+    ``max_shard_size``: as ``save_pretrained``'s (``"5GB"``, or bytes; by default its default). ``dtype``: cast floating-point
+    tensors to it on write (default: each tensor's own dtype); ``config.json`` names the dtype the
+    files hold. ``staging_bytes``: the most memory a rank uses at once to cast and lay out a box
+    before writing it. ``part_bytes``: the part size of S3 uploads (at least 5 MiB).
+    ``lease_seconds``: how long an S3 save's lease on its prefix lasts unrenewed.
     """
 
     def __init__(
         self,
         path: str | os.PathLike,
         *,
-        max_shard_size: int | str = "5GB",
+        max_shard_size: int | str | None = None,
         dtype: torch.dtype | None = None,
         staging_bytes: int = 64 * 2**20,
         part_bytes: int = DEFAULT_PART_BYTES,
+        lease_seconds: float = LEASE_SECONDS,
         **storage_options: Any,
     ) -> None:
         super().__init__()
+        self.lease_seconds = lease_seconds
         self.max_shard_size = max_shard_size
         self.dtype = dtype
         self.staging_bytes = staging_bytes
@@ -75,12 +84,14 @@ class HFStorageWriter(StorageWriter):
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id:
             self.path = os.fspath(checkpoint_id)
-            self.destination = destination_for(self.path, self.storage_options, self.part_bytes)
+            self.destination = destination_for(self.path, self.storage_options, self.part_bytes, self.lease_seconds)
         self.files: list[SavedFile] = []
         self.index: dict[str, Any] | None = None
         self.tensors: dict[str, SavedTensor] = {}
         self.extra_files: dict[str, str] = {}
-        self.token: Any = None
+        self.save_id: str | None = None
+        self.staged: Staged | None = None
+        self.published = False
         self.bytes_written = 0
         self.is_coordinator = False
 
@@ -105,26 +116,30 @@ class HFStorageWriter(StorageWriter):
         request = plan.planner_data
         if request is None or not hasattr(request, "tensors"):
             raise PlanningError("HFStorageWriter writes the plans of HFSavePlanner", file=self.path)
+        # The save's id: every rank lays its headers out with it (rank 0 draws it, every rank needs it)
+        self.save_id = (share_from_rank0(lambda: uuid.uuid4().hex.encode()).decode() if should_broadcast()
+                        else uuid.uuid4().hex)
         specs = {key: (self._dtype(dtype), shape) for key, (dtype, shape) in request.tensors.items()}
-        self.files, self.index = layout_files(specs, self.max_shard_size, request.storage)
+        self.files, self.index = layout_files(specs, self.max_shard_size, request.storage, {SAVE_ID_KEY: self.save_id})
         if self.index is not None:
-            self.index["metadata"] = {**request.index_metadata, **self.index["metadata"]}
+            self.index["metadata"] = {**request.index_metadata, **self.index["metadata"], SAVE_ID_KEY: self.save_id}
         self.tensors = {t.key: t for f in self.files for t in f.tensors}
-        self.extra_files = dict(request.extra_files)
+        self.extra_files = request.extra_files(self.dtype)
         return dataclasses.replace(plan, planner_data=None)
 
     def _dtype(self, dtype: torch.dtype) -> torch.dtype:
         return self.dtype if self.dtype is not None and dtype.is_floating_point else dtype
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        """Coordinator: stage the files; every rank writes with the token."""
-        self.token = self.destination.stage(self.files, self.extra_files)
-        return [dataclasses.replace(plan, storage_data=self.token) for plan in plans]
+        """Coordinator: stage the files; every rank writes into what was staged."""
+        assert self.save_id is not None
+        self.staged = self.destination.stage(self.files, self.save_id)
+        return [dataclasses.replace(plan, storage_data=self.staged) for plan in plans]
 
     # -- data -----------------------------------------------------------------------------------
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Write every box of ``plan`` at its final offsets."""
-        self.token = plan.storage_data
+        staged: Staged = plan.storage_data
         writes: list[BoxWrite] = []
         failure: BaseException | None = None
         try:
@@ -136,7 +151,7 @@ class HFStorageWriter(StorageWriter):
                 writes.append(BoxWrite(tensor, box, planner.resolve_data(item)))
         except Exception as e:  # noqa: BLE001 - the destination raises it, once the other ranks know
             writes, failure = [], e
-        sizes = self.destination.write(self.token, self.files, writes, self.staging_bytes, failure)
+        sizes = self.destination.write(staged, self.files, writes, self.staging_bytes, failure)
         self.bytes_written = sum(sizes)
         future: Future[list[WriteResult]] = Future()
         future.set_result([WriteResult(index=item.index, size_in_bytes=size, storage_data=None)
@@ -145,17 +160,23 @@ class HFStorageWriter(StorageWriter):
 
     # -- commit ---------------------------------------------------------------------------------
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """Coordinator, once every rank wrote: publish the files, the index last."""
+        """Coordinator, once every rank wrote: publish the files (one atomic switch)."""
         expected = sum(f.size - len(f.header) for f in self.files)
         written = sum(r.size_in_bytes for rank in results for r in rank)
         if written != expected:
             raise StorageWriteError(f"the ranks wrote {written} bytes of tensor data, the files hold {expected}",
                                     file=self.path)
-        self.destination.publish(self.token, self.files, self.extra_files, self.index)
-        self.token = None
+        assert self.staged is not None
+        self.destination.publish(self.staged, self.files, self.extra_files, self.index)
+        self.staged, self.published = None, True
 
     def abort(self) -> None:
-        """Drop what was staged (nothing of it was published, or all of it was)."""
-        if self.token is not None:
-            self.destination.abort(self.token)
-            self.token = None
+        """Coordinator: drop what was staged, unless its publish was journaled (then the next save
+        or repair completes it), and release the path. Other ranks never remove anything."""
+        if self.is_coordinator and self.staged is not None:
+            self.destination.abort(self.staged)
+            self.staged = None
+
+    def saved(self) -> bool:
+        """Whether the checkpoint at the path now is this save's (asked of the storage)."""
+        return self.save_id is not None and self.destination.current_save_id() == self.save_id

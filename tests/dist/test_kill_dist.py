@@ -1,0 +1,252 @@
+"""Killing real save jobs: 2 gloo ranks (FSDP2) saving over an older checkpoint, SIGKILLed at every
+step of the save, and at random instants.
+
+After every kill the path loads, through hp-dcp-hf and through transformers' ``from_pretrained``,
+as exactly the old checkpoint or exactly the new one (every tensor bit-identical), never a mix;
+after ``repair`` (or the next save) nothing of the killed save is left (no staging directory or
+file, no journal, lock or lease, no pending multipart upload), and the path holds the new
+checkpoint exactly when the killed save had journaled its publish.
+
+Destinations: a local directory and S3 (moto's server). Older checkpoints: ``save_pretrained``'s
+sharded files under the names the new save wants (it must take others, then switch the index), and
+``save_pretrained``'s single ``model.safetensors`` (a sharded save replaces it). The fault points
+come from a traced clean save (:mod:`tests.save_jobs`): every step, killed before it runs, and the
+last one after it. ``HP_DCP_HF_KILL_TRIES`` sets the random kills per destination (default 6 here;
+``bench/kill_saves.py`` runs the long loop).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import hp_dcp_hf
+from hp_dcp_hf.errors import HPDCPHFError
+from hp_dcp_hf.storage.journal import JOURNAL_FILE
+from hp_dcp_hf.storage.writer import destination_for
+from tests.families import family_model_class, save_family_model
+from tests.save_jobs import SHARD, Zygote, build_model
+from tests.servers.s3 import MotoS3
+
+BUCKET = "kills"
+OLD, NEW = 1, 2  # the seeds of the older checkpoint and of the model the job saves
+RANDOM_TRIES = int(os.environ.get("HP_DCP_HF_KILL_TRIES", "6"))
+
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.filterwarnings("ignore::FutureWarning")]
+
+
+@pytest.fixture(scope="module")
+def zygote(tmp_path_factory):
+    zygote = Zygote(tmp_path_factory.mktemp("jobs"))
+    yield zygote
+    zygote.close()
+
+
+@pytest.fixture(scope="module")
+def states():
+    return {"old": build_model(OLD).state_dict(), "new": build_model(NEW).state_dict()}
+
+
+@pytest.fixture(scope="module")
+def olds(tmp_path_factory):
+    """The older checkpoints, as ``save_pretrained`` wrote them: under the names the save wants, and
+    as one file."""
+    root = tmp_path_factory.mktemp("olds")
+    model = build_model(OLD)
+    return {"same names": save_family_model(model, root / "same", SHARD), "one file": save_family_model(model, root / "one")}
+
+
+@pytest.fixture(scope="module")
+def moto(tmp_path_factory):
+    server = MotoS3(tmp_path_factory.mktemp("moto") / "recording.jsonl")
+    server.create_bucket(BUCKET)
+    yield server
+    server.stop()
+
+
+class Place:
+    """Where a job saves: a local directory or an S3 prefix, laid anew from an older checkpoint."""
+
+    def __init__(self, kind: str, root: Path, moto: MotoS3 | None) -> None:
+        self.kind, self.root, self.moto, self.count = kind, root, moto, 0
+
+    def fresh(self, old: Path) -> str:
+        self.count += 1
+        if self.kind == "local":
+            path = self.root / f"ckpt-{self.count}"
+            shutil.copytree(old, path)
+            return str(path)
+        prefix = f"ckpt-{self.count}"
+        self.moto.upload_dir(old, BUCKET, prefix)
+        return f"s3://{BUCKET}/{prefix}"
+
+    @property
+    def options(self) -> dict:
+        return self.moto.storage_options() if self.kind == "s3" else {}
+
+    def names(self, path: str) -> list[str]:
+        if self.kind == "local":
+            return sorted(os.listdir(path))
+        prefix = path.removeprefix(f"s3://{BUCKET}/") + "/"
+        listed = self.moto.client.list_objects_v2(Bucket=BUCKET, Prefix=prefix).get("Contents", [])
+        return sorted(o["Key"].removeprefix(prefix) for o in listed)
+
+    def pending_uploads(self, path: str) -> list[str]:
+        if self.kind == "local":
+            return []
+        prefix = path.removeprefix(f"s3://{BUCKET}/") + "/"
+        return [u["Key"] for u in self.moto.client.list_multipart_uploads(Bucket=BUCKET, Prefix=prefix).get("Uploads", [])]
+
+    def download(self, path: str, into: Path) -> Path:
+        """What a plain reader of the path gets: every file there (an S3 prefix synced to a directory)."""
+        if self.kind == "local":
+            return Path(path)
+        prefix = path.removeprefix(f"s3://{BUCKET}/")
+        into.mkdir()
+        for name in self.names(path):
+            body = self.moto.client.get_object(Bucket=BUCKET, Key=f"{prefix}/{name}")["Body"].read()
+            (into / name).write_bytes(body)
+        return into
+
+
+@pytest.fixture(scope="module", params=["local", "s3"])
+def place(request, tmp_path_factory):
+    moto = request.getfixturevalue("moto") if request.param == "s3" else None
+    return Place(request.param, tmp_path_factory.mktemp(request.param), moto)
+
+
+def which(state: dict[str, torch.Tensor], states: dict[str, dict[str, torch.Tensor]]) -> str:
+    found = [name for name, reference in states.items()
+             if all(torch.equal(state[key], value) for key, value in reference.items())]
+    return found[0] if found else "a mix"
+
+
+def seen(place: Place, path: str, states) -> tuple[str, str]:
+    """What the path loads as through hp-dcp-hf and through transformers: ``old``, ``new``, ``a
+    mix`` or the error that refused it."""
+    model = build_model(0)
+    try:
+        hp_dcp_hf.load_hf_checkpoint(model, path, **place.options)
+        ours = which(model.state_dict(), states)
+    except HPDCPHFError as e:
+        ours = f"refused: {type(e).__name__}"
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            theirs = which(family_model_class("llama").from_pretrained(
+                place.download(path, Path(tmp) / "copy"), dtype=torch.float32).state_dict(), states)
+        except Exception as e:  # noqa: BLE001 - any refusal is fine; a silent mix is not
+            theirs = f"refused: {type(e).__name__}"
+    return ours, theirs
+
+
+def leftovers(place: Place, path: str) -> list[str]:
+    return [n for n in place.names(path) if n.startswith(".hp-dcp-hf")] + place.pending_uploads(path)
+
+
+def check_after_kill(place: Place, path: str, states, recover_by: str, zygote: Zygote) -> dict:
+    """The path is whole (old or new, both readers agree); recovery completes a journaled publish
+    and leaves nothing behind."""
+    ours, theirs = seen(place, path, states)
+    assert ours in ("old", "new") and theirs == ours, (ours, theirs, place.names(path))
+    journaled = JOURNAL_FILE in place.names(path)
+    if recover_by == "repair":
+        destination_for(path, place.options).repair()
+    else:  # the next save into the path
+        exits, results, _ = zygote.start(path, NEW, options=place.options).wait()
+        assert exits == [0, 0] and all(r["ok"] for r in results), results
+    assert leftovers(place, path) == []
+    expected = "new" if journaled or recover_by == "save" else ours
+    assert seen(place, path, states) == (expected, expected)
+    return {"before": ours, "journaled": journaled}
+
+
+def traced_steps(zygote: Zygote, place: Place, old: Path) -> list[tuple[str, int]]:
+    job = zygote.start(place.fresh(old), NEW, trace=True, options=place.options)
+    exits, results, _ = job.wait()
+    assert exits == [0, 0] and all(r["ok"] for r in results), results
+    steps = [tuple(line.split()) for line in (job.out / "trace.txt").read_text().split("\n") if line]
+    return [(op, int(call)) for op, call in steps]
+
+
+@pytest.mark.parametrize("old_kind", ["same names", "one file"])
+def test_a_kill_at_every_step_leaves_the_old_or_the_new_checkpoint(zygote, place, olds, states, old_kind):
+    steps = traced_steps(zygote, place, olds[old_kind])
+    assert ("commit", 1) in steps and ("write_text", 1) in steps
+    points = [(op, call, "before") for op, call in steps] + [(*steps[-1], "after")]
+    outcomes = []
+    for i, (op, call, when) in enumerate(points):
+        path = place.fresh(olds[old_kind])
+        exits, _, _ = zygote.start(path, NEW, kill={"rank": 0, "op": op, "call": call, "when": when},
+                                   options=place.options).wait()
+        assert exits[0] == -signal.SIGKILL, (op, call, exits)
+        outcome = check_after_kill(place, path, states, "repair" if i % 2 == 0 else "save", zygote)
+        outcomes.append((op, call, when, outcome["before"]))
+    # Before the journal the old checkpoint stands; once the switch is made, the new one.
+    befores = [before for *_, before in outcomes]
+    assert befores[0] == "old" and befores[-1] == "new" and befores == sorted(befores, key=("old", "new").index)
+
+
+def test_a_rank_killed_while_writing_fails_the_others_typed_and_leaves_nothing(zygote, place, olds, states):
+    path = place.fresh(olds["same names"])
+    exits, results, _ = zygote.start(path, NEW, whole=False, options=place.options,
+                                     kill={"rank": 1, "op": "write", "call": 1, "when": "before"}).wait()
+    assert exits == [0, -signal.SIGKILL]
+    assert results[0]["ok"] is False and results[0]["error"] == "StorageWriteError", results
+    assert seen(place, path, states) == ("old", "old")
+    assert leftovers(place, path) == []  # the coordinator dropped what it staged
+
+
+def test_the_coordinator_killed_while_publishing_fails_the_survivor_typed(zygote, place, olds, states):
+    path = place.fresh(olds["same names"])
+    exits, results, _ = zygote.start(path, NEW, whole=False, options=place.options,
+                                     kill={"rank": 0, "op": "commit", "call": 2, "when": "before"}).wait()
+    assert exits == [-signal.SIGKILL, 0]
+    assert results[1]["ok"] is False and results[1]["error"] == "StorageWriteError", results
+    assert check_after_kill(place, path, states, "repair", zygote) == {"before": "old", "journaled": True}
+
+
+def test_a_peer_lost_after_the_switch_is_a_successful_save(zygote, place, olds, states):
+    """Rank 1 dies while rank 0 removes the older files (the new checkpoint is in place): rank 0's
+    save succeeds, since the new checkpoint is the one at the path."""
+    path = place.fresh(olds["same names"])
+    exits, results, _ = zygote.start(path, NEW, whole=False, options=place.options,
+                                     kill={"rank": 0, "op": "remove", "call": 1, "when": "before",
+                                           "action": "kill peer"}).wait()
+    assert exits == [0, -signal.SIGKILL]
+    assert results[0] == {"ok": True}
+    assert seen(place, path, states) == ("new", "new") and leftovers(place, path) == []
+
+
+def test_random_kills(zygote, place, olds, states):
+    clean = [zygote.start(place.fresh(olds["same names"]), NEW, options=place.options).wait()[2] for _ in range(2)]
+    window = 1.2 * max(clean)
+    rng = random.Random(19)
+    outcomes = {"old": 0, "new": 0}
+    for i in range(RANDOM_TRIES):
+        old_kind = ("same names", "one file")[i % 2]
+        path = place.fresh(olds[old_kind])
+        job = zygote.start(path, NEW, whole=False, options=place.options)
+        victims = job.pids if rng.random() < 0.5 else [rng.choice(job.pids)]
+        kill_after(victims, rng.uniform(0, window))
+        job.wait()
+        outcomes[check_after_kill(place, path, states, "repair" if i % 2 else "save", zygote)["before"]] += 1
+    assert sum(outcomes.values()) == RANDOM_TRIES
+
+
+def kill_after(pids: list[int], delay: float) -> None:
+    time.sleep(delay)
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

@@ -1,0 +1,115 @@
+"""The publish journal as pure logic: which names a save takes, and that every prefix of its steps
+leaves a path a reader sees as the complete old checkpoint, the complete new one, or (only when
+the config changes) no checkpoint, never a mix.
+
+The path is simulated: each file is owned by the old or the new save, the index names its files,
+and a reader goes as transformers does (``model.safetensors`` first, else the index).
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from hp_dcp_hf.errors import CheckpointFormatError
+from hp_dcp_hf.storage.journal import INDEX_FILE, SINGLE_FILE, Journal, Step, final_names, plan_publish
+
+SAVE_ID = "0123456789abcdef0123456789abcdef"
+
+
+def shard_names(count: int) -> list[str]:
+    return [SINGLE_FILE] if count == 0 else [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+
+
+def old_path(old_shards: int | None) -> dict[str, tuple]:
+    """The older checkpoint: ``None`` nothing, ``0`` one file, else that many shards and an index."""
+    if old_shards is None:
+        return {}
+    files = {name: ("old",) for name in shard_names(old_shards)}
+    if old_shards:
+        files[INDEX_FILE] = ("old", tuple(files))
+    return {**files, "config.json": ("old", "config A")}
+
+
+def view(path: dict[str, tuple], config_owners: dict[str, str]) -> str:
+    """What a reader of the simulated path loads: ``old``, ``new``, ``none`` or ``a mix``
+    (``config_owners``: whose each config text is; ``any`` when both saves have it)."""
+    if SINGLE_FILE in path:
+        owners = {path[SINGLE_FILE][0]}
+    elif INDEX_FILE in path:
+        owner, files = path[INDEX_FILE]
+        if any(name not in path for name in files):
+            return "a mix"  # files missing: a loud error, counted as a failure of the design here
+        owners = {owner} | {path[name][0] for name in files}
+    else:
+        return "none"
+    config = path.get("config.json")
+    if config is not None:
+        owners.add(config_owners[config[1]])
+    owners.discard("any")
+    return owners.pop() if len(owners) == 1 else "a mix"
+
+
+def run(step: Step, path: dict[str, tuple], new_files: list[str]) -> None:
+    if step.op == "remove":
+        path.pop(step.name, None)
+    elif step.op == "commit":
+        path[step.name] = ("new",)
+    elif step.name == INDEX_FILE:
+        path[step.name] = ("new", tuple(new_files))
+    else:
+        path[step.name] = ("new", step.text)
+
+
+@given(old_shards=st.one_of(st.none(), st.integers(0, 4)), new_shards=st.integers(0, 4),
+       config_changes=st.booleans())
+def test_every_prefix_of_the_steps_is_the_old_or_the_new_checkpoint(old_shards, new_shards, config_changes):
+    path = old_path(old_shards)
+    before = "old" if old_shards is not None else "none"
+    names = final_names(shard_names(new_shards), set(path), SAVE_ID)
+    new_files = [names[n] for n in shard_names(new_shards)]
+    extra = {"config.json": "config B" if config_changes else "config A"}
+    texts = {name: text for name, (_, *rest) in path.items() if name == "config.json" for text in rest}
+    journal = plan_publish(SAVE_ID, new_files, "index" if new_shards else None, extra, set(path), texts,
+                           {name: f"staged/{name}" for name in new_files})
+    owners = {"config A": "old", "config B": "new"} if config_changes else {"config A": "any"}
+    seen = [view(path, owners)]
+    for step in journal.steps:
+        run(step, path, new_files)
+        seen.append(view(path, owners))
+    assert seen[0] == before and seen[-1] == "new", (journal.steps, seen)
+    assert "a mix" not in seen, (journal.steps, seen)
+    if before == "old" and "none" in seen:  # a hole only where a config change must not meet the old weights
+        assert config_changes
+    order = ["old", "none", "new"]
+    assert seen == sorted(seen, key=order.index)  # never back
+    expected = set(new_files) | {"config.json"} | ({INDEX_FILE} if new_shards else set())
+    assert set(path) == expected  # the old checkpoint's files are gone, nothing else is left
+
+
+def test_names_are_save_pretrained_s_unless_the_old_checkpoint_holds_them():
+    shards = shard_names(3)
+    assert final_names(shards, set(), SAVE_ID) == {n: n for n in shards}
+    assert final_names(shards, set(shard_names(2)), SAVE_ID) == {n: n for n in shards}
+    taken = final_names(shards, {shards[1]}, SAVE_ID)
+    assert taken == {n: n.replace("model-", "model-0123456789ab-") for n in shards}
+    assert final_names([SINGLE_FILE], {SINGLE_FILE}, SAVE_ID) == {SINGLE_FILE: SINGLE_FILE}  # the switch itself
+
+
+def test_an_unchanged_config_is_not_rewritten_and_leaves_no_hole():
+    path = old_path(2)
+    names = final_names(shard_names(2), set(path), SAVE_ID)
+    journal = plan_publish(SAVE_ID, list(names.values()), "index", {"config.json": "config A"}, set(path),
+                           {"config.json": "config A"}, {})
+    assert [s.op for s in journal.steps] == ["commit", "commit", "write", "remove", "remove"]
+    assert journal.steps[2].name == INDEX_FILE
+
+
+def test_the_journal_round_trips_and_refuses_what_is_not_one():
+    journal = Journal(SAVE_ID, (Step("commit", "a"), Step("write", "b", "text"), Step("remove", "c")), {"a": "x/a"})
+    assert Journal.from_json(journal.to_json()) == journal
+    for raw in (b"", b"[]", b'{"save_id": "x"}', b'{"save_id": "x", "steps": [{"op": "rm", "name": "a"}], "staged": {}}',
+                b'{"save_id": "x", "steps": [{"op": "remove", "name": "../a"}], "staged": {}}'):
+        with pytest.raises(CheckpointFormatError, match="journal"):
+            Journal.from_json(raw)
