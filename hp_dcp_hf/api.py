@@ -109,7 +109,8 @@ def save_hf_checkpoint(
     once every rank has written, through one atomic switch (``docs/reliability.md``). It returns
     exactly when the new checkpoint is the one at ``path``; otherwise it raises
     :class:`~hp_dcp_hf.errors.StorageWriteError` (or the planning error) on every rank that is
-    still alive, and ``path`` holds the older checkpoint as it was.
+    still alive, and ``path`` holds the older checkpoint as it was, unless the publish was journaled
+    (the error says so; the next save or ``hp-dcp-hf repair`` completes it).
 
     ``dtype`` casts floating-point tensors on write, and ``config.json`` names it. ``max_shard_size``
     defaults to ``save_pretrained``'s. ``path`` is a directory or an ``s3://`` prefix (multipart
@@ -132,6 +133,9 @@ def save_hf_checkpoint(
                           stacklevel=2)
             return
         if not isinstance(error, HPDCPHFError):  # a lost peer's gloo error, a dead server's
-            error = StorageWriteError(f"the save failed and left the path as it was: {type(error).__name__}: "
-                                      f"{error}", file=os.fspath(path))
+            journaled = writer.save_id is not None and writer.destination.journaled_save_id() == writer.save_id
+            outcome = ("its publish was journaled: the next save into the path or `hp-dcp-hf repair` completes it"
+                       if journaled else "the path holds the older checkpoint as it was")
+            error = StorageWriteError(f"the save failed ({type(error).__name__}: {error}); {outcome}",
+                                      file=os.fspath(path))
         raise error from None

@@ -280,6 +280,7 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     for stale in out.glob("rank*.json"):
         stale.unlink()
+    shutil.rmtree(out / "saved", ignore_errors=True)  # saved anew: under the checkpoint's own file names
 
     ckpt, made_s = ensure_checkpoint(_cache_dir(args.cache_dir), args.regenerate, getattr(args, "quantized", "none"))
     info = inspect_checkpoint(str(ckpt))

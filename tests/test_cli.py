@@ -400,6 +400,35 @@ def test_load_save_to_writes_the_checkpoint_back(capsys, llama, tmp_path):
     assert_same_checkpoint(tmp_path / "saved", llama.path)
 
 
+def test_load_save_to_keeps_the_checkpoint_s_dtype(capsys, llama, tmp_path):
+    """A bf16 checkpoint loaded into the default float32 model saves back as bf16: every file's
+    bytes are the checkpoint's but for the save id in the headers; ``--save-dtype model`` writes
+    float32 and says so in config.json."""
+    from tests.conftest import DEFAULT_SHARD_SIZE
+    from tests.test_save import SAVE_ID_KEY, anonymized
+
+    code, _, err = _run_cli(capsys, "load", str(llama.path), "--save-to", str(tmp_path / "saved"),
+                            "--max-shard-size", str(DEFAULT_SHARD_SIZE))
+    assert code == 0, err
+    theirs = {p.name: p.read_bytes() for p in llama.path.iterdir()}
+    ours = {p.name: p.read_bytes() for p in (tmp_path / "saved").iterdir()}
+    assert sorted(ours) == sorted(theirs)
+    for name, data in anonymized(ours).items():
+        if name.endswith(".safetensors"):  # the header's only addition is the save id, padded to 8 bytes
+            header = json.loads(data[8:8 + int.from_bytes(data[:8], "little")])
+            assert header["__metadata__"].pop(SAVE_ID_KEY) == "0" * 32
+            original = theirs[name]
+            length = int.from_bytes(original[:8], "little")
+            assert header == json.loads(original[8:8 + length])
+            assert data[8 + int.from_bytes(data[:8], "little"):] == original[8 + length:]  # tensor bytes
+        elif name != "model.safetensors.index.json":
+            assert data == theirs[name], name
+    code, _, err = _run_cli(capsys, "load", str(llama.path), "--save-to", str(tmp_path / "fp32"), "--save-dtype",
+                            "model")
+    assert code == 0, err
+    assert json.loads((tmp_path / "fp32" / "config.json").read_text())["dtype"] == "float32"
+
+
 @pytest.mark.parametrize("rank, world", [(None, None), (0, 2), (1, 2)])
 def test_load_mesh_larger_than_the_launch_names_torchrun_once(capsys, llama, monkeypatch, rank, world):
     import torch.distributed as dist

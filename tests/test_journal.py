@@ -8,6 +8,9 @@ and a reader goes as transformers does (``model.safetensors`` first, else the in
 
 from __future__ import annotations
 
+import os
+import warnings
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -113,3 +116,57 @@ def test_the_journal_round_trips_and_refuses_what_is_not_one():
                 b'{"save_id": "x", "steps": [{"op": "remove", "name": "../a"}], "staged": {}}'):
         with pytest.raises(CheckpointFormatError, match="journal"):
             Journal.from_json(raw)
+
+
+# -- replayed on a real directory -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("old_shard, new_shard", [(None, None), ("40KB", "40KB"), (None, "40KB"), ("40KB", None)],
+                         ids=["one-file-over-one-file", "shards-over-shards", "shards-over-one-file",
+                              "one-file-over-shards"])
+def test_a_publish_cut_after_any_step_and_replayed_twice_is_whole(tmp_path, monkeypatch, old_shard, new_shard):
+    """A save with another config (another dtype) stopped at each step of its publish as a dying
+    process stops (its lock dropped, nothing else run), then repaired twice: the path holds exactly
+    the new checkpoint (the old one when it stopped before its journal), and nothing is left."""
+    import torch
+
+    import hp_dcp_hf
+    from hp_dcp_hf.errors import StorageWriteError
+    from hp_dcp_hf.storage.destination import Destination, Directory
+    from tests.families import build_family_model, save_family_model
+
+    old, new = build_family_model("llama", seed=1), build_family_model("llama", seed=2, dtype=torch.bfloat16)
+    calls = {"n": 0, "cut": 0}
+
+    def counted(real):
+        def step(self, *args, **kwargs):
+            calls["n"] += 1
+            if calls["n"] == calls["cut"]:
+                raise OSError("killed")
+            return real(self, *args, **kwargs)
+        return step
+
+    for name in ("commit", "write_text", "remove"):  # the journal's write, then every step
+        monkeypatch.setattr(Directory, name, counted(getattr(Directory, name)))
+    monkeypatch.setattr(Destination, "abort", lambda self, staged: os.close(self._lock_fd))  # death: no cleanup
+    save = {"max_shard_size": new_shard} if new_shard else {}
+    hp_dcp_hf.save_hf_checkpoint(new, save_family_model(old, tmp_path / "clean", old_shard), **save)
+    total = calls["n"]
+    for cut in range(1, total + 1):
+        path = save_family_model(old, tmp_path / f"cut-{cut}", old_shard)
+        calls.update(n=0, cut=cut)
+        try:  # success only when the new checkpoint was in place already (stopped while cleaning)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                hp_dcp_hf.save_hf_checkpoint(new, path, **save)
+            assert Directory(str(path)).current_save_id() is not None
+        except StorageWriteError:
+            pass
+        calls["cut"] = 0
+        for _ in range(2):
+            Directory(str(path)).repair()
+        loaded = build_family_model("llama", seed=3, dtype=torch.bfloat16)
+        hp_dcp_hf.load_hf_checkpoint(loaded, str(path))
+        expected = (old if cut == 1 else new).state_dict()
+        assert all(torch.equal(v, expected[k].to(v.dtype)) for k, v in loaded.state_dict().items()), (cut, total)
+        assert not [p for p in os.listdir(path) if p.startswith(".hp-dcp-hf")], (cut, os.listdir(path))

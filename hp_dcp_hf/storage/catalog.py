@@ -182,8 +182,8 @@ def _find(
 
 
 def _check_one_save(headers: list[FileHeader], index_save_id: str | None) -> None:
-    """Every file belongs to the save that wrote the index (or, without an id in the index, all
-    files to one save or none): a shard copied in from another save is an error naming it."""
+    """Every file an index names belongs to the save that wrote the index (or, without an id in the
+    index, all of them to one save or none): a shard copied in from another save is an error naming it."""
     ids = {header.file: header.metadata.get(SAVE_ID_KEY) for header in headers}
     expected = index_save_id if index_save_id is not None else next(iter(ids.values()), None)
     odd = sorted(file for file, save_id in ids.items() if save_id != expected)
@@ -231,7 +231,8 @@ def scan(
     files, weight_map, names, save_id = _find(location, single_file, stats)
     with ThreadPoolExecutor(max(1, min(num_threads, len(files)))) as pool:
         headers = list(pool.map(lambda file: read_header(location, file, stats), files))
-    _check_one_save(headers, save_id)
+    if weight_map is not None:
+        _check_one_save(headers, save_id)
     versions = {file: location.version(file) for file in files}
     quantization = _read_quantization_config(location, stats) if CONFIG_FILE in names else None
     return Catalog(location.root, files, _collect(headers, weight_map), versions, quantization)

@@ -122,6 +122,7 @@ class Destination(ABC):
     def stage(self, files: Sequence[SavedFile], save_id: str) -> Staged:
         """Take the path's lock, finish or drop what dead saves left, and stage every file where no
         reader of the path looks (under the name it will be published as)."""
+        self.unlock()  # an earlier save through this destination that failed (DCP says nothing to a writer then)
         self.lock(save_id)
         try:
             self.recover()
@@ -150,11 +151,11 @@ class Destination(ABC):
         journal = plan_publish(staged.save_id, [staged.names[f.name] for f in files],
                                index_text(index) if index is not None else None, extra_files, existing, texts,
                                {staged.names[name]: handle for name, handle in staged.handles.items()})
+        self._journaled = staged.save_id  # before the write: a journal that landed and then raised needs its staging
         self.write_text(JOURNAL_FILE, journal.to_json())  # the commit point: from here on, roll forward
-        self._journaled = staged.save_id
         try:
             self.roll_forward(journal)
-        except HPDCPHFError as e:
+        except (HPDCPHFError, OSError) as e:
             raise StorageWriteError(f"publishing save {staged.save_id} stopped after its journal was written "
                                     f"({e}); the next save into the path or `hp-dcp-hf repair` completes it",
                                     file=self.url) from e
@@ -170,6 +171,8 @@ class Destination(ABC):
 
     def repair(self) -> str:
         """Finish an interrupted publish or drop a dead save's staged data; what was done, in words."""
+        if not self.list_names():
+            return "nothing to repair"
         self.lock("repair")
         try:
             return self.recover()
@@ -182,36 +185,69 @@ class Destination(ABC):
         done = []
         if raw is not None:
             journal = Journal.from_json(raw, file=f"{self.url.rstrip('/')}/{JOURNAL_FILE}")
-            self.roll_forward(journal)
-            done.append(f"completed the publish of save {journal.save_id}")
+            if self.lost_staging(journal) and not self.published_any(journal):
+                self.remove(JOURNAL_FILE)  # its staged files are gone and nothing of it is visible: void
+                done.append(f"dropped the journal of save {journal.save_id}, whose staged files are gone")
+            else:
+                self.roll_forward(journal)
+                done.append(f"completed the publish of save {journal.save_id}")
         dropped = self.drop_abandoned()
         if dropped:
             done.append(f"removed {dropped} abandoned staging item(s)")
         return "; ".join(done) or "nothing to repair"
 
     def roll_forward(self, journal: Journal) -> None:
-        """Carry out every step of ``journal`` (each is idempotent), then drop the journal."""
+        """Carry out every step of ``journal``, then drop the journal. Steps are idempotent, and a
+        replay never removes a file of the journal's own save (its entry file, written already)."""
+        lost = self.lost_staging(journal)
+        if lost:
+            raise CheckpointFormatError(f"the journal of save {journal.save_id} commits {lost}, but neither their "
+                                        "staged copies nor files of that save exist", file=self._name(JOURNAL_FILE))
         for step in journal.steps:
             if step.op == "commit":
-                self.commit(journal, step.name)
+                if self.save_id_of(step.name) != journal.save_id:
+                    self.commit(journal, step.name)
             elif step.op == "write":
                 self.write_text(step.name, step.text or "")
-            else:
+            elif self.save_id_of(step.name) != journal.save_id:
                 self.remove(step.name)
         self.after_publish(journal)
         self.remove(JOURNAL_FILE)
 
-    def current_save_id(self) -> str | None:
-        """The save id of the checkpoint at the path now (its entry file's), None without one."""
-        with contextlib.suppress(Exception):
-            head = self.read_bytes(SINGLE_FILE, 0, 8)
+    def lost_staging(self, journal: Journal) -> list[str]:
+        """The files ``journal`` commits that are neither staged nor published (by its save)."""
+        return [s.name for s in journal.steps if s.op == "commit" and not self.is_staged(journal, s.name)
+                and self.save_id_of(s.name) != journal.save_id]
+
+    def published_any(self, journal: Journal) -> bool:
+        """Whether any file of ``journal``'s save is visible at the path."""
+        names = [s.name for s in journal.steps if s.op == "commit"] + [INDEX_FILE]
+        return any(self.save_id_of(name) == journal.save_id for name in names)
+
+    def save_id_of(self, name: str) -> str | None:
+        """The save id file ``name`` carries (a safetensors header's or an index's), None without one."""
+        with contextlib.suppress(Exception):  # missing, or not a file of ours: no id
+            if name.endswith(".json"):
+                return json.loads(self.read_bytes(name) or b"{}").get("metadata", {}).get(SAVE_ID_KEY)
+            head = self.read_bytes(name, 0, 8)
             if head is not None and len(head) == 8:
-                raw = self.read_bytes(SINGLE_FILE, 8, 8 + min(struct.unpack("<Q", head)[0], 100 * 2**20))
+                raw = self.read_bytes(name, 8, 8 + min(struct.unpack("<Q", head)[0], 100 * 2**20))
                 return json.loads(raw or b"{}").get("__metadata__", {}).get(SAVE_ID_KEY)
-            raw = self.read_bytes(INDEX_FILE)
-            if raw is not None:
-                return json.loads(raw).get("metadata", {}).get(SAVE_ID_KEY)
         return None
+
+    def current_save_id(self) -> str | None:
+        """The save id of the checkpoint at the path now (of its entry file, as transformers picks it)."""
+        return self.save_id_of(SINGLE_FILE if self.read_bytes(SINGLE_FILE, 0, 1) is not None else INDEX_FILE)
+
+    def journaled_save_id(self) -> str | None:
+        """The save whose publish a journal at the path records, None without one."""
+        with contextlib.suppress(Exception):
+            raw = self.read_bytes(JOURNAL_FILE)
+            return Journal.from_json(raw).save_id if raw is not None else None
+        return None
+
+    def _name(self, name: str) -> str:
+        return f"{self.url.rstrip('/')}/{name}"
 
     # -- primitives of a backend ------------------------------------------------------------------
     @abstractmethod
@@ -244,7 +280,11 @@ class Destination(ABC):
 
     @abstractmethod
     def commit(self, journal: Journal, name: str) -> None:
-        """Make staged file ``name`` visible at its name, atomically (done already: nothing)."""
+        """Make staged file ``name`` visible at its name, atomically."""
+
+    @abstractmethod
+    def is_staged(self, journal: Journal, name: str) -> bool:
+        """Whether the staged copy of ``name`` is still there to commit."""
 
     @abstractmethod
     def drop_staged(self, staged: Staged) -> None:
@@ -350,6 +390,8 @@ class Directory(Destination):
             with open(os.path.join(staging, file.name), "wb") as handle:
                 handle.write(file.header)
                 handle.truncate(file.size)
+                handle.flush()
+                os.fsync(handle.fileno())
         self._sync_directory(staging)
         return {file.name: f"{STAGING_PREFIX}{save_id}/{file.name}" for file in files}
 
@@ -387,14 +429,11 @@ class Directory(Destination):
                 raise StorageWriteError(f"the staged file holds {size} bytes, the file needs {file.size}", file=path)
 
     def commit(self, journal: Journal, name: str) -> None:
-        staged = self._path(journal.staged[name])
-        if not os.path.exists(staged):
-            if os.path.exists(self._path(name)):
-                return  # renamed already, by a publish that was interrupted after it
-            raise CheckpointFormatError(f"the journal of save {journal.save_id} commits {name!r}, but neither "
-                                        "its staged copy nor the file exists", file=self._path(JOURNAL_FILE))
-        os.replace(staged, self._path(name))
+        os.replace(self._path(journal.staged[name]), self._path(name))
         self._sync_directory()
+
+    def is_staged(self, journal: Journal, name: str) -> bool:
+        return name in journal.staged and os.path.isfile(self._path(journal.staged[name]))
 
     def drop_staged(self, staged: Staged) -> None:
         shutil.rmtree(self._path(f"{STAGING_PREFIX}{staged.save_id}"), ignore_errors=True)

@@ -28,6 +28,7 @@ import os
 import socket
 import threading
 import time
+import warnings
 from collections import deque
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -40,7 +41,7 @@ from hp_dcp_hf.errors import HPDCPHFError, StorageWriteError
 from hp_dcp_hf.storage.broadcast import agree_on_failure, should_broadcast
 from hp_dcp_hf.storage.destination import BoxWrite, Destination, Staged, box_runs, owner_text
 from hp_dcp_hf.storage.files import SavedFile
-from hp_dcp_hf.storage.journal import LOCK_FILE, Journal
+from hp_dcp_hf.storage.journal import LOCK_FILE, WEIGHT_FILE, Journal
 from hp_dcp_hf.storage.parts import Part, file_parts, part_size, rounds
 
 DEFAULT_PART_BYTES = 16 * 2**20
@@ -139,15 +140,20 @@ class MultipartUploads(Destination):
                                         file=self._url(staged.names[file.name]))
 
     def commit(self, journal: Journal, name: str) -> None:
-        upload_id = journal.staged[name]
-        try:
-            listed = self._listed_parts(name, upload_id)
-        except StorageWriteError as e:
-            if self._missing(e) and self.fs.exists(f"{self.root}/{name}"):
-                return  # completed already, by a publish that was interrupted after it
-            raise
-        self._call("complete_multipart_upload", name, UploadId=upload_id, MultipartUpload={
+        listed = self._listed_parts(name, journal.staged[name])
+        self._call("complete_multipart_upload", name, UploadId=journal.staged[name], MultipartUpload={
             "Parts": [{"PartNumber": p["PartNumber"], "ETag": p["ETag"]} for p in listed]})
+
+    def is_staged(self, journal: Journal, name: str) -> bool:
+        if name not in journal.staged:
+            return False
+        try:
+            self._call("list_parts", name, UploadId=journal.staged[name], MaxParts=1)
+        except StorageWriteError as e:
+            if self._missing(e):
+                return False
+            raise
+        return True
 
     def after_publish(self, journal: Journal) -> None:
         """A completed upload leaves nothing staged; s3fs's listings of the prefix are stale now."""
@@ -159,15 +165,21 @@ class MultipartUploads(Destination):
                 self._call("abort_multipart_upload", staged.names[layout_name], UploadId=upload_id)
 
     def drop_abandoned(self) -> int:
-        """Abort every pending upload of a key directly under the prefix."""
+        """Abort every pending upload a save makes (of a weight file directly under the prefix)."""
         bucket, prefix, _ = self.fs.split_path(f"{self.root}/")
         dropped, marks = 0, {}
         while True:
-            page = self.fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix, **marks)
+            try:
+                page = self.fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix, **marks)
+            except Exception as e:  # noqa: BLE001 - a policy without ListBucketMultipartUploads: nothing to drop then
+                warnings.warn(f"{self.url}: cannot list pending uploads to drop what dead saves left "
+                              f"({type(e).__name__}: {e})", stacklevel=2)
+                return dropped
             for upload in page.get("Uploads", []):
-                if "/" not in upload["Key"][len(prefix):]:
+                name = upload["Key"][len(prefix):]
+                if WEIGHT_FILE.fullmatch(name):
                     with contextlib.suppress(StorageWriteError):
-                        self._call("abort_multipart_upload", upload["Key"][len(prefix):], UploadId=upload["UploadId"])
+                        self._call("abort_multipart_upload", name, UploadId=upload["UploadId"])
                         dropped += 1
             if not page.get("IsTruncated"):
                 return dropped
@@ -306,13 +318,19 @@ class _Lease:
                                     file=destination.url) from e
 
     def _renew(self) -> None:
-        while not self._stop.wait(self.destination.lease_seconds / 3):
+        """Renew every third of the term; a transient failure is retried each second while two
+        thirds of the term remain, a refused condition (someone took the lease over) is final."""
+        term = self.destination.lease_seconds
+        renewed = time.monotonic()
+        while not self._stop.wait(term / 3 if time.monotonic() - renewed < term / 3 else 1.0):
             try:
                 body = self._body(self.destination, self.save_id)
                 self.etag = self.destination._call("put_object", LOCK_FILE, Body=body, IfMatch=self.etag)["ETag"]
+                renewed = time.monotonic()
             except StorageWriteError as e:
-                self.lost = e.reason
-                return
+                if _precondition_failed(e) or time.monotonic() - renewed > 2 * term / 3:
+                    self.lost = e.reason
+                    return
 
     def check(self) -> None:
         """Raise if the lease was lost (another save may have taken the prefix over)."""
@@ -322,8 +340,9 @@ class _Lease:
     def release(self) -> None:
         self._stop.set()
         self._thread.join()
-        with contextlib.suppress(StorageWriteError):
-            self.destination._call("delete_object", LOCK_FILE)
+        if self.lost is None:  # a lost lease may be another save's by now
+            with contextlib.suppress(StorageWriteError):
+                self.destination._call("delete_object", LOCK_FILE)
 
 
 def _precondition_failed(error: StorageWriteError) -> bool:

@@ -30,10 +30,9 @@ from torch.futures import Future
 
 from hp_dcp_hf.box import Box
 from hp_dcp_hf.errors import PlanningError, StorageWriteError
-from hp_dcp_hf.storage.broadcast import share_from_rank0, should_broadcast
 from hp_dcp_hf.storage.destination import BoxWrite, Destination, Directory, Staged
 from hp_dcp_hf.storage.files import SavedFile, SavedTensor, layout_files
-from hp_dcp_hf.storage.journal import SAVE_ID_KEY
+from hp_dcp_hf.storage.journal import SAVE_ID_KEY, SAVE_ID_LENGTH
 from hp_dcp_hf.storage.multipart import DEFAULT_PART_BYTES, LEASE_SECONDS, MultipartUploads
 
 
@@ -47,6 +46,10 @@ def destination_for(path: str, storage_options: dict[str, Any], part_bytes: int 
         return MultipartUploads(fs, root, path, part_bytes, lease_seconds)
     raise StorageWriteError("saves go to local or shared file systems and to S3 (multipart uploads); "
                             "save to a directory, then upload it", file=path)
+
+
+_ID_PLACEHOLDER = "hp-dcp-hf-save-id-not-drawn-yet!"
+assert len(_ID_PLACEHOLDER) == SAVE_ID_LENGTH
 
 
 class HFStorageWriter(StorageWriter):
@@ -83,6 +86,8 @@ class HFStorageWriter(StorageWriter):
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id:
+            if getattr(self, "destination", None) is not None:
+                self.destination.unlock()  # a failed save's lock (DCP does not tell a writer it failed)
             self.path = os.fspath(checkpoint_id)
             self.destination = destination_for(self.path, self.storage_options, self.part_bytes, self.lease_seconds)
         self.files: list[SavedFile] = []
@@ -91,7 +96,6 @@ class HFStorageWriter(StorageWriter):
         self.extra_files: dict[str, str] = {}
         self.save_id: str | None = None
         self.staged: Staged | None = None
-        self.published = False
         self.bytes_written = 0
         self.is_coordinator = False
 
@@ -116,13 +120,12 @@ class HFStorageWriter(StorageWriter):
         request = plan.planner_data
         if request is None or not hasattr(request, "tensors"):
             raise PlanningError("HFStorageWriter writes the plans of HFSavePlanner", file=self.path)
-        # The save's id: every rank lays its headers out with it (rank 0 draws it, every rank needs it)
-        self.save_id = (share_from_rank0(lambda: uuid.uuid4().hex.encode()).decode() if should_broadcast()
-                        else uuid.uuid4().hex)
+        # Headers hold a placeholder of the save id's fixed width until the coordinator draws the id
         specs = {key: (self._dtype(dtype), shape) for key, (dtype, shape) in request.tensors.items()}
-        self.files, self.index = layout_files(specs, self.max_shard_size, request.storage, {SAVE_ID_KEY: self.save_id})
+        self.files, self.index = layout_files(specs, self.max_shard_size, request.storage,
+                                              {SAVE_ID_KEY: _ID_PLACEHOLDER})
         if self.index is not None:
-            self.index["metadata"] = {**request.index_metadata, **self.index["metadata"], SAVE_ID_KEY: self.save_id}
+            self.index["metadata"] = {**request.index_metadata, **self.index["metadata"]}
         self.tensors = {t.key: t for f in self.files for t in f.tensors}
         self.extra_files = request.extra_files(self.dtype)
         return dataclasses.replace(plan, planner_data=None)
@@ -131,15 +134,26 @@ class HFStorageWriter(StorageWriter):
         return self.dtype if self.dtype is not None and dtype.is_floating_point else dtype
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        """Coordinator: stage the files; every rank writes into what was staged."""
-        assert self.save_id is not None
+        """Coordinator: draw the save's id and stage the files; every rank writes into what was staged."""
+        self._take_id(uuid.uuid4().hex)
         self.staged = self.destination.stage(self.files, self.save_id)
         return [dataclasses.replace(plan, storage_data=self.staged) for plan in plans]
+
+    def _take_id(self, save_id: str) -> None:
+        """Put the save's id in every header (same width as the placeholder: offsets stay) and the index."""
+        if self.save_id == save_id:
+            return
+        self.save_id = save_id
+        self.files = [dataclasses.replace(f, header=f.header.replace(_ID_PLACEHOLDER.encode(), save_id.encode()))
+                      for f in self.files]
+        if self.index is not None:
+            self.index["metadata"][SAVE_ID_KEY] = save_id
 
     # -- data -----------------------------------------------------------------------------------
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Write every box of ``plan`` at its final offsets."""
         staged: Staged = plan.storage_data
+        self._take_id(staged.save_id)
         writes: list[BoxWrite] = []
         failure: BaseException | None = None
         try:
@@ -168,7 +182,7 @@ class HFStorageWriter(StorageWriter):
                                     file=self.path)
         assert self.staged is not None
         self.destination.publish(self.staged, self.files, self.extra_files, self.index)
-        self.staged, self.published = None, True
+        self.staged = None
 
     def abort(self) -> None:
         """Coordinator: drop what was staged, unless its publish was journaled (then the next save
