@@ -109,7 +109,9 @@ def _run_rank(job: dict[str, Any], rank: int) -> None:
         result = {"ok": True}
     except Exception as e:  # noqa: BLE001 - reported to the test, which checks the type
         result = {"ok": False, "error": type(e).__name__, "message": str(e)}
-    Path(job["out"], f"{rank}.json").write_text(json.dumps(result))
+    temporary = Path(job["out"], f"{rank}.json.tmp")  # a kill while writing leaves no half result
+    temporary.write_text(json.dumps(result))
+    os.replace(temporary, Path(job["out"], f"{rank}.json"))
 
 
 def _fork_rank(job: dict[str, Any], rank: int) -> int:
