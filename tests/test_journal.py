@@ -109,11 +109,23 @@ def test_an_unchanged_config_is_not_rewritten_and_leaves_no_hole():
     assert journal.steps[2].name == INDEX_FILE
 
 
+def test_a_directory_commits_only_from_the_save_s_staging(tmp_path):
+    from hp_dcp_hf.storage.destination import Directory
+
+    (tmp_path / "secret").write_text("x")
+    for where in ("../secret", "/etc/passwd", f".hp-dcp-hf-staging-{SAVE_ID}/../../secret", ".hp-dcp-hf-staging-other/a"):
+        journal = Journal(SAVE_ID, (Step("commit", "a"),), {"a": where})
+        with pytest.raises(CheckpointFormatError, match="outside the save's staging"):
+            Directory(str(tmp_path / "ckpt")).commit(journal, "a")
+    assert (tmp_path / "secret").read_text() == "x"
+
+
 def test_the_journal_round_trips_and_refuses_what_is_not_one():
     journal = Journal(SAVE_ID, (Step("commit", "a"), Step("write", "b", "text"), Step("remove", "c")), {"a": "x/a"})
     assert Journal.from_json(journal.to_json()) == journal
     for raw in (b"", b"[]", b'{"save_id": "x"}', b'{"save_id": "x", "steps": [{"op": "rm", "name": "a"}], "staged": {}}',
-                b'{"save_id": "x", "steps": [{"op": "remove", "name": "../a"}], "staged": {}}'):
+                b'{"save_id": "x", "steps": [{"op": "remove", "name": "../a"}], "staged": {}}',
+                b'{"save_id": "x", "steps": [{"op": "commit", "name": "a"}], "staged": {}}'):
         with pytest.raises(CheckpointFormatError, match="journal"):
             Journal.from_json(raw)
 

@@ -324,6 +324,12 @@ class Directory(Destination):
 
     # -- lock -------------------------------------------------------------------------------------
     def lock(self, save_id: str) -> None:
+        try:
+            self._lock(save_id)
+        except OSError as e:  # a read-only or unreachable file system
+            raise StorageWriteError(f"cannot take the path's lock: {e}", file=self.url) from e
+
+    def _lock(self, save_id: str) -> None:
         os.makedirs(self.url, exist_ok=True)
         path = self._path(LOCK_FILE)
         while True:
@@ -428,12 +434,21 @@ class Directory(Destination):
             if size != file.size:
                 raise StorageWriteError(f"the staged file holds {size} bytes, the file needs {file.size}", file=path)
 
+    def _staged_path(self, journal: Journal, name: str) -> str:
+        """Where ``journal`` staged ``name``: inside the save's staging directory, or refused."""
+        where = journal.staged.get(name, "")
+        directory, _, file = where.partition("/")
+        if directory != f"{STAGING_PREFIX}{journal.save_id}" or not file or "/" in file or file in (".", ".."):
+            raise CheckpointFormatError(f"the journal stages {name!r} outside the save's staging directory",
+                                        file=self._path(JOURNAL_FILE))
+        return self._path(where)
+
     def commit(self, journal: Journal, name: str) -> None:
-        os.replace(self._path(journal.staged[name]), self._path(name))
+        os.replace(self._staged_path(journal, name), self._path(name))
         self._sync_directory()
 
     def is_staged(self, journal: Journal, name: str) -> bool:
-        return name in journal.staged and os.path.isfile(self._path(journal.staged[name]))
+        return os.path.isfile(self._staged_path(journal, name))
 
     def drop_staged(self, staged: Staged) -> None:
         shutil.rmtree(self._path(f"{STAGING_PREFIX}{staged.save_id}"), ignore_errors=True)

@@ -80,9 +80,16 @@ class Journal:
             journal = cls(str(data["save_id"]), steps, {str(k): str(v) for k, v in data["staged"].items()})
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise CheckpointFormatError(f"not a publish journal: {type(e).__name__}: {e}", file=file) from e
-        if any(s.op not in ("commit", "write", "remove") or "/" in s.name for s in steps):
+        if any(s.op not in ("commit", "write", "remove") or not _plain_name(s.name) for s in steps):
             raise CheckpointFormatError("the publish journal holds an unknown step", file=file)
+        if any(s.op == "commit" and s.name not in journal.staged for s in steps):
+            raise CheckpointFormatError("the publish journal commits a file it did not stage", file=file)
         return journal
+
+
+def _plain_name(name: str) -> bool:
+    """A name inside the path: no separator, not ``.`` or ``..``, not empty."""
+    return bool(name) and "/" not in name and "\\" not in name and name not in (".", "..")
 
 
 def final_names(names: Sequence[str], existing: Collection[str], save_id: str) -> dict[str, str]:
