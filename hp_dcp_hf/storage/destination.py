@@ -117,6 +117,7 @@ class Destination(ABC):
     and ``repair`` run on the coordinator only; ``write`` on every rank, with what ``stage`` returned."""
 
     url: str
+    _journaled: str | None = None  # the save whose journal this destination wrote (its staging is kept)
 
     # -- the save ---------------------------------------------------------------------------------
     def stage(self, files: Sequence[SavedFile], save_id: str) -> Staged:
@@ -164,7 +165,7 @@ class Destination(ABC):
     def abort(self, staged: Staged | None) -> None:
         """Drop what was staged, unless its journal was written (then it is rolled forward by the
         next save or repair); an older checkpoint at the path stays as it was."""
-        if staged is not None and getattr(self, "_journaled", None) != staged.save_id:
+        if staged is not None and self._journaled != staged.save_id:
             with contextlib.suppress(Exception):  # the next save drops what is left
                 self.drop_staged(staged)
         self.unlock()
