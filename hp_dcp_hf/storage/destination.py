@@ -34,6 +34,7 @@ import torch
 from hp_dcp_hf.box import Box, flat_range_boxes
 from hp_dcp_hf.errors import CheckpointFormatError, HPDCPHFError, StorageWriteError
 from hp_dcp_hf.storage.files import SavedFile, SavedTensor
+from hp_dcp_hf.storage.header import MAX_HEADER_BYTES, METADATA_KEY
 from hp_dcp_hf.storage.journal import (
     INDEX_FILE,
     JOURNAL_FILE,
@@ -185,32 +186,35 @@ class Destination(ABC):
         raw = self.read_bytes(JOURNAL_FILE)
         done = []
         if raw is not None:
-            journal = Journal.from_json(raw, file=f"{self.url.rstrip('/')}/{JOURNAL_FILE}")
-            if self.lost_staging(journal) and not self.published_any(journal):
+            journal = Journal.from_json(raw, file=self._url(JOURNAL_FILE))
+            lost = self.lost_staging(journal)
+            if lost and not self.published_any(journal):
                 self.remove(JOURNAL_FILE)  # its staged files are gone and nothing of it is visible: void
                 done.append(f"dropped the journal of save {journal.save_id}, whose staged files are gone")
+            elif lost:
+                raise CheckpointFormatError(f"the journal of save {journal.save_id} commits {lost}, but neither "
+                                            "their staged copies nor files of that save exist",
+                                            file=self._url(JOURNAL_FILE))
             else:
-                self.roll_forward(journal)
+                self.roll_forward(journal, replay=True)
                 done.append(f"completed the publish of save {journal.save_id}")
         dropped = self.drop_abandoned()
         if dropped:
             done.append(f"removed {dropped} abandoned staging item(s)")
         return "; ".join(done) or "nothing to repair"
 
-    def roll_forward(self, journal: Journal) -> None:
-        """Carry out every step of ``journal``, then drop the journal. Steps are idempotent, and a
-        replay never removes a file of the journal's own save (its entry file, written already)."""
-        lost = self.lost_staging(journal)
-        if lost:
-            raise CheckpointFormatError(f"the journal of save {journal.save_id} commits {lost}, but neither their "
-                                        "staged copies nor files of that save exist", file=self._name(JOURNAL_FILE))
+    def roll_forward(self, journal: Journal, *, replay: bool = False) -> None:
+        """Carry out every step of ``journal``, then drop the journal. A ``replay`` (of a publish
+        that may have run some steps) skips the commits and removals of files that already carry
+        the journal's save id: it never removes its own save's entry file, written already."""
         for step in journal.steps:
+            if replay and step.op != "write" and self.save_id_of(step.name) == journal.save_id:
+                continue
             if step.op == "commit":
-                if self.save_id_of(step.name) != journal.save_id:
-                    self.commit(journal, step.name)
+                self.commit(journal, step.name)
             elif step.op == "write":
                 self.write_text(step.name, step.text or "")
-            elif self.save_id_of(step.name) != journal.save_id:
+            else:
                 self.remove(step.name)
         self.after_publish(journal)
         self.remove(JOURNAL_FILE)
@@ -232,8 +236,8 @@ class Destination(ABC):
                 return json.loads(self.read_bytes(name) or b"{}").get("metadata", {}).get(SAVE_ID_KEY)
             head = self.read_bytes(name, 0, 8)
             if head is not None and len(head) == 8:
-                raw = self.read_bytes(name, 8, 8 + min(struct.unpack("<Q", head)[0], 100 * 2**20))
-                return json.loads(raw or b"{}").get("__metadata__", {}).get(SAVE_ID_KEY)
+                raw = self.read_bytes(name, 8, 8 + min(struct.unpack("<Q", head)[0], MAX_HEADER_BYTES))
+                return json.loads(raw or b"{}").get(METADATA_KEY, {}).get(SAVE_ID_KEY)
         return None
 
     def current_save_id(self) -> str | None:
@@ -247,7 +251,7 @@ class Destination(ABC):
             return Journal.from_json(raw).save_id if raw is not None else None
         return None
 
-    def _name(self, name: str) -> str:
+    def _url(self, name: str) -> str:
         return f"{self.url.rstrip('/')}/{name}"
 
     # -- primitives of a backend ------------------------------------------------------------------

@@ -73,9 +73,6 @@ class MultipartUploads(Destination):
         self._gloo: Any = None
 
     # -- requests ---------------------------------------------------------------------------------
-    def _url(self, name: str) -> str:
-        return f"{self.url.rstrip('/')}/{name}"
-
     def _call(self, what: str, name: str, **kwargs: Any) -> Any:
         bucket, key, _ = self.fs.split_path(f"{self.root}/{name}")
         try:
