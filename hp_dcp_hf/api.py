@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import warnings
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, Literal
 
 import torch
@@ -14,14 +16,47 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from transformers.core_model_loading import WeightTransform
 
-from hp_dcp_hf.errors import HPDCPHFError, StorageWriteError
-from hp_dcp_hf.planner import HFMappingPlanner, LoadReport
+from hp_dcp_hf.errors import (
+    ArchitectureMismatchError,
+    ArgumentError,
+    HPDCPHFError,
+    MissingKeysError,
+    StorageWriteError,
+)
+from hp_dcp_hf.planner import HFMappingPlanner, LoadReport, Unexpected, describe_keys
 from hp_dcp_hf.save_planner import HFSavePlanner
 from hp_dcp_hf.storage import HFStorageReader
 from hp_dcp_hf.storage.broadcast import agree_on_failure, should_broadcast
 from hp_dcp_hf.storage.writer import HFStorageWriter
 
 Loader = Literal["dcp", "legacy"]
+
+logger = logging.getLogger(__name__)
+
+
+class _OwnErrors(logging.Filter):
+    """Drops the records torch's DCP logs, with a traceback, for an error of ours it re-raises
+    anyway ("Global metadata is not found. Falling back to rank local metadata.")."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], HPDCPHFError))
+
+
+@contextmanager
+def _quiet_dcp() -> Iterator[None]:
+    """torch's DCP logs on the root logger; its records of our own errors are left out meanwhile."""
+    root, own = logging.getLogger(), _OwnErrors()
+    root.addFilter(own)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            yield
+    finally:
+        root.removeFilter(own)
+
+
+def _is_rank0() -> bool:
+    return not should_broadcast() or torch.distributed.get_rank() == 0
 
 
 def load_hf_checkpoint(
@@ -31,6 +66,7 @@ def load_hf_checkpoint(
     loader: Loader = "dcp",
     weights_mapping: Sequence[WeightTransform] | None = None,
     strict: bool = True,
+    unexpected: Unexpected = "warn",
     external_target_fqns: Collection[str] = (),
     claimed_source_keys: Collection[str] = (),
     reader: HFStorageReader | None = None,
@@ -45,17 +81,25 @@ def load_hf_checkpoint(
     :mod:`hp_dcp_hf.errors` type the failing rank raised.
 
     A planning error leaves the model untouched. A read that fails midway raises with
-    ``error.touched_keys``: the state dict keys this rank had already written into.
+    ``error.touched_keys``: the state dict keys this rank had already written into. Every rank
+    raises the first failing rank's error, and ``error.rank`` names that rank.
+
+    ``strict`` is about model tensors the checkpoint does not make (:class:`MissingKeysError`,
+    an :class:`ArchitectureMismatchError` when ``config.json`` names another model type);
+    ``unexpected`` about checkpoint tensors no model tensor is made from: ``"warn"`` (once, on
+    rank 0, with their number and first names), ``"raise"`` or ``"ignore"``, as in
+    :class:`HFMappingPlanner`.
 
     ``reader`` and ``planner`` may be built by the caller, to read their statistics afterwards;
     a given planner brings its own mapping options and ``loader`` choice (its ``trace``).
     """
     if loader not in ("dcp", "legacy"):
-        raise ValueError(f"loader must be 'dcp' or 'legacy', got {loader!r}")
+        raise ArgumentError(f"loader must be 'dcp' or 'legacy', got {loader!r}")
     planner = planner or HFMappingPlanner(
         model,
         weights_mapping=weights_mapping,
         strict=strict,
+        unexpected=unexpected,
         external_target_fqns=external_target_fqns,
         claimed_source_keys=claimed_source_keys,
         trace=loader == "dcp",
@@ -63,8 +107,7 @@ def load_hf_checkpoint(
     reader = reader if reader is not None else HFStorageReader(path, **reader_options)
     error: BaseException | None = None
     try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        with _quiet_dcp():
             # Each rank plans its own reads from the metadata rank 0 broadcast: nothing to
             # coordinate, so DCP's gather and scatter of every rank's plan through rank 0 (O(world)
             # pickled plans there) is skipped; the ranks agree on the outcome below instead.
@@ -73,21 +116,52 @@ def load_hf_checkpoint(
         # torch's dcp.load reduces an error of read_metadata to an AssertionError with its text:
         # the reader kept the error itself.
         error = reader.metadata_error or unwrap_checkpoint_exception(exc)
+    if isinstance(error, MissingKeysError):
+        error = _architecture_mismatch(model, reader, error) or error
     if should_broadcast() and not getattr(error, "agreed", False):  # a cooperative read agreed already
         error = agree_on_failure(error)
     if error is not None:
         error.touched_keys = tuple(sorted(planner.touched_targets))  # type: ignore[attr-defined]
         raise error from None
     assert planner.report is not None
+    if planner.unexpected == "warn" and planner.reported_unexpected and _is_rank0():
+        unused = planner.reported_unexpected
+        logger.warning("%d tensors of %s make no model tensor (UNEXPECTED; unexpected='ignore' silences "
+                       "this, 'raise' refuses such loads): %s", len(unused), reader.path, describe_keys(unused))
     phases = {"plan": planner.plan_seconds, **reader.seconds}
     seconds = {k: phases[k] for k in ("metadata", "plan", "read", "copy", "exchange") if k in phases}  # load order
     return dataclasses.replace(planner.report, seconds=seconds)
 
 
+def _architecture_mismatch(model: nn.Module, reader: HFStorageReader,
+                           error: MissingKeysError) -> ArchitectureMismatchError | None:
+    """Missing keys explained: the checkpoint's ``config.json`` names another model type than the
+    model's. None when it does not, or has no readable config."""
+    from hp_dcp_hf.pipeline import CONFIG_FILE, check_architecture, read_config
+
+    if getattr(getattr(model, "config", None), "model_type", None) is None:
+        return None
+    try:
+        config = read_config(reader.path, reader.storage_options)
+        check_architecture(config, type(model))
+    except ArchitectureMismatchError as mismatch:
+        return ArchitectureMismatchError(f"{mismatch.reason}; {error.reason}", file=CONFIG_FILE)
+    except HPDCPHFError:
+        return None
+    return None
+
+
 def unwrap_checkpoint_exception(exc: CheckpointException) -> BaseException:
-    """The first rank's own error out of DCP's wrapper, preferring this package's typed errors."""
-    errors = [failure[0] if isinstance(failure, tuple) else failure for _, failure in sorted(exc.failures.items())]
-    return next((e for e in errors if isinstance(e, HPDCPHFError)), errors[0] if errors else exc)
+    """The first rank's own error out of DCP's wrapper, preferring this package's typed errors;
+    ``error.rank`` is that rank when DCP gathered every rank's outcome."""
+    failures = [(rank, failure[0] if isinstance(failure, tuple) else failure)
+                for rank, failure in sorted(exc.failures.items())]
+    if not failures:
+        return exc
+    rank, error = next(((r, e) for r, e in failures if isinstance(e, HPDCPHFError)), failures[0])
+    if len(failures) > 1 or should_broadcast():  # every rank raises it: say whose it is
+        error.rank = rank  # type: ignore[attr-defined]
+    return error
 
 
 def save_hf_checkpoint(
@@ -120,8 +194,7 @@ def save_hf_checkpoint(
     writer = writer if writer is not None else HFStorageWriter(
         path, max_shard_size=max_shard_size, dtype=dtype, **storage_options)
     try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        with _quiet_dcp():
             dcp.save(model.state_dict(), storage_writer=writer, planner=planner, no_dist=not should_broadcast())
     except BaseException as exc:  # noqa: BLE001 - whatever failed, the outcome is what the path holds
         writer.abort()

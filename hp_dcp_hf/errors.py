@@ -31,6 +31,15 @@ def _rebuild(cls: type[HPDCPHFError], reason: str, file: str | None, key: str | 
     return cls(reason, file=file, key=key)
 
 
+class ArgumentError(HPDCPHFError, ValueError):
+    """An argument of the API or the CLI is invalid (a dtype name, an option's value). Also a
+    ``ValueError``, as Python's own checks of arguments are."""
+
+
+class MeshSpecError(ArgumentError):
+    """A mesh spec (``"dp=2,tp=2"``) that is malformed, names unknown dims or does not fit the ranks."""
+
+
 class CheckpointNotFoundError(HPDCPHFError):
     """The path names no checkpoint, or a file the index names does not exist."""
 
@@ -77,6 +86,15 @@ class PlanningError(HPDCPHFError):
 
 class MissingKeysError(PlanningError):
     """``strict=True`` and some model tensors are not produced by the checkpoint."""
+
+
+class UnexpectedKeysError(PlanningError):
+    """``unexpected="raise"`` and the checkpoint holds tensors no model tensor is made from."""
+
+
+class ArchitectureMismatchError(HPDCPHFError):
+    """The checkpoint's ``config.json`` names another model type than the model's (a Mixtral
+    checkpoint into a Llama model): named instead of reported as missing keys."""
 
 
 class QuantizationError(CheckpointFormatError):

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -40,9 +41,16 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from hp_dcp_hf.api import Loader, load_hf_checkpoint
-from hp_dcp_hf.errors import CheckpointFormatError, CheckpointNotFoundError, HPDCPHFError, PlanningError
+from hp_dcp_hf.errors import (
+    ArchitectureMismatchError,
+    CheckpointFormatError,
+    CheckpointNotFoundError,
+    HPDCPHFError,
+    PlanningError,
+)
 from hp_dcp_hf.layout import local_tensor
-from hp_dcp_hf.planner import HFMappingPlanner, LoadReport, PlanStats
+from hp_dcp_hf.model_dtype import AUTO, DtypeSpec, resolve_dtype
+from hp_dcp_hf.planner import HFMappingPlanner, LoadReport, PlanStats, Unexpected
 from hp_dcp_hf.storage import HFStorageReader, filesystem, locate
 from hp_dcp_hf.storage.header import MAX_HEADER_BYTES
 from hp_dcp_hf.storage.stats import FileStats
@@ -53,6 +61,7 @@ __all__ = [
     "PretrainedLoadReport",
     "apply_transforms",
     "build_skeleton",
+    "check_architecture",
     "checkpoint_mapping",
     "finalize",
     "from_pretrained",
@@ -63,6 +72,8 @@ __all__ = [
 ]
 
 CONFIG_FILE = "config.json"
+
+logger = logging.getLogger(__name__)
 
 Transform = Callable[[nn.Module], "nn.Module | None"] | str
 
@@ -147,6 +158,38 @@ def resolve_model_class(config, model_cls: type[nn.Module] | None = None) -> typ
         f"no model class for {type(config).__name__} (architectures={getattr(config, 'architectures', None)}); "
         "pass model_cls="
     )
+
+
+def check_architecture(config, model_cls: type[nn.Module]) -> None:
+    """Refuse a class of another model type than ``config``'s (a Llama class for a Mixtral
+    checkpoint), naming both, instead of failing later in the constructor or as missing keys."""
+    expected = getattr(getattr(model_cls, "config_class", None), "model_type", "")
+    types = {config.model_type} | {getattr(getattr(config, name, None), "model_type", None)
+                                   for name in getattr(config, "sub_configs", {})}
+    if expected and expected not in types and model_cls.__name__ not in _classes_for(config):
+        raise ArchitectureMismatchError(
+            f"the checkpoint is a {config.model_type!r} model (architectures "
+            f"{getattr(config, 'architectures', None)}), {model_cls.__name__} a {expected!r} one; pass a "
+            f"{config.model_type!r} class as model_cls=, or none to use the config's",
+            file=CONFIG_FILE,
+        )
+
+
+def _classes_for(config) -> set[str]:
+    """The class names transformers itself builds for ``config``: its ``architectures`` and the
+    auto mappings' classes for its model type (``exaone`` is served by ``LlamaForCausalLM``)."""
+    from transformers.models.auto import modeling_auto
+
+    names = set(getattr(config, "architectures", None) or ())
+    for attribute in dir(modeling_auto):
+        if attribute.startswith("MODEL_") and attribute.endswith("_MAPPING_NAMES"):
+            served = getattr(modeling_auto, attribute).get(config.model_type, ())
+            names.update((served,) if isinstance(served, str) else served)
+    return names
+
+
+def _checkpoint_dtypes(reader: HFStorageReader) -> Iterable[torch.dtype]:
+    return (md.properties.dtype for md in reader.read_metadata().state_dict_metadata.values())
 
 
 def checkpoint_mapping(model: nn.Module) -> list:
@@ -337,12 +380,13 @@ def from_pretrained(
     *,
     model_cls: type[nn.Module] | None = None,
     config=None,
-    dtype: torch.dtype = torch.float32,
+    dtype: DtypeSpec = AUTO,
     transforms: Sequence[Transform] = (),
     distributed_config: Any = None,
     parallelize: Callable[[nn.Module], nn.Module | None] | None = None,
     loader: Loader = "dcp",
     strict: bool = True,
+    unexpected: Unexpected = "warn",
     device: str | torch.device = "cpu",
     model_kwargs: Mapping[str, Any] | None = None,
     reader: HFStorageReader | None = None,
@@ -358,7 +402,9 @@ def from_pretrained(
             ``config.json`` unless ``config`` is given.
         model_cls: the class to build; default from the config's ``architectures``.
         config: a ``PretrainedConfig`` instead of the checkpoint's ``config.json``.
-        dtype: the model's dtype (checkpoint tensors are cast on load).
+        dtype: the model's dtype (checkpoint tensors are cast on load): a ``torch.dtype``, its name, or
+            ``"auto"`` (the default, as in transformers 5): the config's ``dtype``, else the
+            checkpoint's first floating-point dtype (:mod:`hp_dcp_hf.model_dtype`).
         transforms: rewrites, callables or names in :mod:`hp_dcp_hf.transforms`, applied in order.
         distributed_config: a transformers ``DistributedConfig`` (``tp_size``, ``ep_size``,
             ``fsdp_size``, ``dp_replicate_size``, ``tp_plan`` / ``ep_plan`` / ``fsdp_plan``
@@ -371,6 +417,10 @@ def from_pretrained(
         loader: ``"dcp"`` reads only the bytes this rank's shards need; ``"legacy"`` whole tensors.
         strict: raise when the checkpoint does not make a model tensor; with ``False`` those
             tensors get the model's own init (``report.missing_keys``, ``report.initialized_keys``).
+        unexpected: checkpoint tensors no model tensor is made from (``report.unexpected_keys``):
+            ``"warn"`` once on rank 0, ``"raise"`` :class:`~hp_dcp_hf.errors.UnexpectedKeysError`
+            before any read, ``"ignore"`` (a pipeline stage). Those the class declares ignorable
+            (``_keys_to_ignore_on_load_unexpected``) are never warned about.
         device: where local shards are allocated.
         model_kwargs: extra arguments of the model constructor (``attn_implementation=`` ...).
         reader: a ready :class:`HFStorageReader` (``reader_options`` must then be empty).
@@ -404,19 +454,28 @@ def from_pretrained(
 
     reader = reader if reader is not None else HFStorageReader(path_or_repo, **reader_options)
     if config is None:
+        logger.info("reading the config of %s", path_or_repo)
         config = read_config(path_or_repo, reader.storage_options)
-    model = build_skeleton(config, resolve_model_class(config, model_cls), dtype=dtype, model_kwargs=model_kwargs)
+    model_cls = resolve_model_class(config, model_cls)
+    check_architecture(config, model_cls)
+    dtype = resolve_dtype(dtype, config, lambda: _checkpoint_dtypes(reader))
+    logger.info("building %s (%s) on the meta device", model_cls.__name__, dtype)
+    model = build_skeleton(config, model_cls, dtype=dtype, model_kwargs=model_kwargs)
     mapping = list(weights_mapping) if weights_mapping is not None else checkpoint_mapping(model)
     lap("skeleton")
+    if transforms:
+        logger.info("rewriting: %s", ", ".join(getattr(t, "__name__", str(t)) for t in transforms))
     model = apply_transforms(model, transforms)
     lap("transforms")
     if parallelize is not None:
+        logger.info("parallelizing")
         out = parallelize(model)
         model = out if isinstance(out, nn.Module) else model
     lap("parallelize")
+    logger.info("allocating the local shards on %s", device)
     materialize(model, device)
     lap("materialize")
-    planner = planner_cls(model, weights_mapping=mapping, strict=strict, trace=loader == "dcp")
+    planner = planner_cls(model, weights_mapping=mapping, strict=strict, unexpected=unexpected, trace=loader == "dcp")
     base = load_hf_checkpoint(model, path_or_repo, loader=loader, reader=reader, planner=planner)
     lap("load")
     seconds.update(base.seconds)

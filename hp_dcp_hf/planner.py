@@ -16,7 +16,8 @@ import time
 from collections import defaultdict
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, Literal, get_args
 
 import torch
 from torch import nn
@@ -25,7 +26,14 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from transformers.core_model_loading import WeightTransform, dot_natural_key
 
 from hp_dcp_hf.box import Box
-from hp_dcp_hf.errors import LayoutError, MappingError, MissingKeysError, PlanningError
+from hp_dcp_hf.errors import (
+    ArgumentError,
+    LayoutError,
+    MappingError,
+    MissingKeysError,
+    PlanningError,
+    UnexpectedKeysError,
+)
 from hp_dcp_hf.layout import ShardPiece, local_shard_pieces, local_tensor
 from hp_dcp_hf.mapping.blocks import LocalView, ReadBlock, read_blocks
 from hp_dcp_hf.mapping.compose import Composition, Opaque, TensorSpec
@@ -48,7 +56,44 @@ logger = logging.getLogger(__name__)
 _STAGING_PREFIX = "hp_dcp_hf.staging/"
 _QUANTIZED_PREFIX = "hp_dcp_hf.quantized/"
 
+Unexpected = Literal["warn", "raise", "ignore"]
+"""What a load does about checkpoint tensors no model tensor is made from."""
 
+
+def reportable_unexpected(model: Any, keys: Collection[str]) -> tuple[str, ...]:
+    """``keys`` less those transformers itself ignores for the model's class (its
+    ``_keys_to_ignore_on_load_unexpected`` patterns, and old ``rotary_emb.inv_freq`` /
+    ``position_ids`` buffers), through transformers' own rule."""
+    adjust = getattr(model, "_adjust_missing_and_unexpected_keys", None)
+    if adjust is None:
+        return natural_sorted(keys)
+    info = SimpleNamespace(missing_keys=set(), unexpected_keys=set(keys))
+    adjust(info)
+    return natural_sorted(info.unexpected_keys)
+
+
+def model_state_dict(state_dict: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The model's flat state dict, also when nested under one key as DCP users write it
+    (``{"model": model.state_dict()}``, or a ``Stateful`` wrapper's); other shapes are refused with
+    what to pass."""
+    nested = [key for key, value in state_dict.items() if isinstance(value, Mapping)]
+    if not nested:
+        return state_dict
+    if len(state_dict) == 1:
+        inner = state_dict[nested[0]]
+        if not any(isinstance(value, Mapping) for value in inner.values()):
+            return inner
+    raise PlanningError(
+        f"the state dict holds {sorted(state_dict)[:5]} with nested dicts under {nested[:5]}: pass the model's "
+        "state dict, flat (model.state_dict()) or under one key ({'model': model.state_dict()})"
+    )
+
+
+def describe_keys(keys: Sequence[str], first: int = 5) -> str:
+    """``"['a', 'b', 'c']"``, or the first ``first`` names and how many more."""
+    shown = ", ".join(repr(k) for k in keys[:first])
+    more = f", ... ({len(keys) - first} more)" if len(keys) > first else ""
+    return f"[{shown}{more}]"
 
 
 @dataclass(frozen=True)
@@ -128,6 +173,9 @@ class HFMappingPlanner(LoadPlanner):
             stages recorded with :func:`hp_dcp_hf.add_weight_mapping` follow.
         weights_mapping: the checkpoint -> canonical model mapping, instead of transformers' own.
         strict: raise :class:`MissingKeysError` during planning when a model tensor is not made.
+        unexpected: checkpoint tensors no model tensor is made from, less those the model's class
+            ignores (:func:`reportable_unexpected`): ``"warn"`` (by :func:`~hp_dcp_hf.load_hf_checkpoint`,
+            once on rank 0), ``"raise"`` :class:`UnexpectedKeysError` during planning, or ``"ignore"``.
         external_target_fqns: state dict keys another reader fills (neither loaded nor missing).
         claimed_source_keys: checkpoint keys another reader consumes (never unexpected).
         composition: the mapping traced already for this model and checkpoint (one process planning
@@ -150,6 +198,7 @@ class HFMappingPlanner(LoadPlanner):
         *,
         weights_mapping: Sequence[WeightTransform] | None = None,
         strict: bool = True,
+        unexpected: Unexpected = "warn",
         external_target_fqns: Collection[str] = (),
         claimed_source_keys: Collection[str] = (),
         trace: bool = True,
@@ -163,6 +212,10 @@ class HFMappingPlanner(LoadPlanner):
         self.trace = trace
         self.weights_mapping = weights_mapping
         self.strict = strict
+        if unexpected not in get_args(Unexpected):
+            raise ArgumentError(f"unexpected must be one of {get_args(Unexpected)}, got {unexpected!r}")
+        self.unexpected = unexpected
+        self.reported_unexpected: tuple[str, ...] = ()  # the last plan's unexpected keys worth a word
         self.external_target_fqns = frozenset(external_target_fqns)
         self.claimed_source_keys = frozenset(claimed_source_keys)
         self.report: LoadReport | None = None
@@ -189,7 +242,7 @@ class HFMappingPlanner(LoadPlanner):
     ) -> None:
         if metadata is None:
             raise PlanningError("HFMappingPlanner needs the checkpoint metadata (use HFStorageReader)")
-        self.state_dict = state_dict
+        self.state_dict = model_state_dict(state_dict)
         self.metadata = metadata
         self.is_coordinator = is_coordinator
 
@@ -306,7 +359,12 @@ class HFMappingPlanner(LoadPlanner):
             raise MissingKeysError(f"the checkpoint makes no value for {len(missing)} model tensors: "
                                    f"{list(natural_sorted(missing))}")
         used = set().union(*(composition.source_keys(n) for n in fill))
-        self.report = LoadReport(natural_sorted(loaded), natural_sorted(missing), natural_sorted(set(sources) - used))
+        unused = natural_sorted(set(sources) - used)
+        self.reported_unexpected = () if self.unexpected == "ignore" else reportable_unexpected(self.model, unused)
+        if self.reported_unexpected and self.unexpected == "raise":
+            raise UnexpectedKeysError(f"{len(self.reported_unexpected)} checkpoint tensors make no model tensor "
+                                      f"(unexpected='raise'): {describe_keys(self.reported_unexpected)}")
+        self.report = LoadReport(natural_sorted(loaded), natural_sorted(missing), unused)
         items = self._make_items(composition, state_dict, fill, stored, sources, replicas)
         if isinstance(self.model, nn.Module):
             self.model._weight_conversions = composition.used_transforms

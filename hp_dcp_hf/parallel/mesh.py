@@ -20,6 +20,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from hp_dcp_hf.errors import MeshSpecError
+
 MESH_DIMS = ("dp_replicate", "dp", "tp", "ep")
 """Known mesh dims, outermost first (tensor parallel ranks adjacent)."""
 
@@ -29,7 +31,7 @@ DENSE_DIMS = ("dp_replicate", "dp", "tp")
 _CONFIG_FIELDS = {"dp_replicate": "dp_replicate_size", "dp": "fsdp_size", "tp": "tp_size", "ep": "ep_size"}
 
 
-class MeshSizeError(ValueError):
+class MeshSizeError(MeshSpecError):
     """A mesh whose size does not match the process group it is built on."""
 
 
@@ -47,19 +49,19 @@ def parse_mesh(spec: str | Mapping[str, int]) -> dict[str, int]:
             name, sep, value = part.partition("=")
             name = name.strip()
             if not sep or not value.strip().isdigit():
-                raise ValueError(f"mesh spec {spec!r}: expected name=size[,name=size], e.g. dp=2,tp=2")
+                raise MeshSpecError(f"mesh spec {spec!r}: expected name=size[,name=size], e.g. dp=2,tp=2")
             if name in sizes:
-                raise ValueError(f"mesh spec {spec!r} names {name!r} twice")
+                raise MeshSpecError(f"mesh spec {spec!r} names {name!r} twice")
             sizes[name] = int(value)
     unknown = sorted(set(sizes) - set(MESH_DIMS))
     if unknown:
-        raise ValueError(f"mesh spec {spec!r}: unknown dims {unknown}; known: {', '.join(MESH_DIMS)}")
+        raise MeshSpecError(f"mesh spec {spec!r}: unknown dims {unknown}; known: {', '.join(MESH_DIMS)}")
     if not sizes or any(not isinstance(size, int) or size < 1 for size in sizes.values()):
-        raise ValueError(f"mesh spec {spec!r}: need at least one dim, every size an integer >= 1")
+        raise MeshSpecError(f"mesh spec {spec!r}: need at least one dim, every size an integer >= 1")
     if "ep" in sizes and "dp" not in sizes:
         tp = sizes.get("tp", 1)
         if sizes["ep"] % tp:
-            raise ValueError(f"mesh spec {spec!r}: ep={sizes['ep']} must be a multiple of tp={tp}")
+            raise MeshSpecError(f"mesh spec {spec!r}: ep={sizes['ep']} must be a multiple of tp={tp}")
         sizes["dp"] = sizes["ep"] // tp
     return {name: sizes[name] for name in MESH_DIMS if name in sizes}
 
@@ -110,7 +112,7 @@ def init_mesh(spec: str | Mapping[str, int], device_type: str = "cpu"):
 
     sizes = parse_mesh(spec)
     if "ep" in sizes:
-        raise ValueError(f"mesh spec {format_mesh(sizes)}: ep overlays dp x tp; use distributed_config(spec) "
+        raise MeshSpecError(f"mesh spec {format_mesh(sizes)}: ep overlays dp x tp; use distributed_config(spec) "
                          "with from_pretrained for expert parallelism")
     check_world_size(sizes, dist.get_world_size() if dist.is_initialized() else 1)
     return init_device_mesh(device_type, tuple(sizes.values()), mesh_dim_names=tuple(sizes))

@@ -13,13 +13,16 @@ transformers would stop or stay silent:
   dropped) instead of sharding half heads, which breaks the forward;
 * scalar (0-d) parameters, which FSDP2 cannot shard, stay plain replicated tensors;
 * every dim left unsharded is reported (:attr:`TransformersPlans.unsharded`, a warning on rank 0,
-  a line in ``hp-dcp-hf plan``), so a model never ends up replicated without a word.
+  a line in ``hp-dcp-hf plan``), so a model never ends up replicated without a word;
+* a model whose class refuses to name its embeddings (``get_input_embeddings`` raising
+  ``NotImplementedError``, as detection models without token embeddings do) is parallelized as one
+  that has none, where transformers' plan resolution would stop on the question.
 """
 
 from __future__ import annotations
 
 import copy
-import warnings
+import logging
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -31,6 +34,8 @@ from torch.distributed.tensor import DTensor, Shard
 
 from hp_dcp_hf.errors import HPDCPHFError
 from hp_dcp_hf.parallel.mesh import check_world_size, distributed_config, mesh_spec
+
+logger = logging.getLogger(__name__)
 
 #: transformers' mesh dim names that shard along each of our dims.
 _SHARDING_MESH_DIMS = {"tp": ("tp",), "ep": ("ep",), "dp": ("fsdp", "efsdp")}
@@ -89,6 +94,25 @@ def _indivisible_attention(model: nn.Module, plan: Mapping[str, str], tp: int) -
 
 
 @contextmanager
+def embeddings_answered(model: nn.Module) -> Iterator[None]:
+    """For the block, ``get_input_embeddings()`` / ``get_output_embeddings()`` answer ``None`` on a
+    model whose class raises ``NotImplementedError`` for them: transformers' plan resolution asks
+    every model (to group tied embeddings), also those that have none."""
+    refused = []
+    for name in ("get_input_embeddings", "get_output_embeddings"):
+        try:
+            getattr(model, name, lambda: None)()
+        except NotImplementedError:
+            refused.append(name)
+            object.__setattr__(model, name, lambda: None)  # an instance attribute shadows the method
+    try:
+        yield
+    finally:
+        for name in refused:
+            object.__delattr__(model, name)
+
+
+@contextmanager
 def scalars_set_aside(model: nn.Module) -> Iterator[list[str]]:
     """Take every 0-d parameter out of its module for the block (FSDP2 cannot shard them) and put
     it back after, as a plain tensor every rank holds whole; yields their names."""
@@ -138,10 +162,6 @@ class TransformersPlans:
         return mesh_spec(self.config)
 
     def __call__(self, model: nn.Module) -> nn.Module:
-        from transformers.distributed.expert_parallel import apply_expert_parallelism
-        from transformers.distributed.fsdp import apply_fully_sharded_data_parallelism
-        from transformers.distributed.tensor_parallel import apply_tensor_parallelism
-
         cls = type(model)
         if not hasattr(cls, "prepare_distribute_model") or not hasattr(model, "_resolve_parallel_plans"):
             raise ParallelizeError(f"{cls.__name__} is not a transformers model with parallel plans; pass "
@@ -154,6 +174,14 @@ class TransformersPlans:
         if mesh_manager is None:
             self.applied.append("no parallelism: every size is 1")
             return model
+        with embeddings_answered(model):
+            return self._apply(model, config, mesh_manager)
+
+    def _apply(self, model: nn.Module, config: Any, mesh_manager: Any) -> nn.Module:
+        from transformers.distributed.expert_parallel import apply_expert_parallelism
+        from transformers.distributed.fsdp import apply_fully_sharded_data_parallelism
+        from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+
         resolving = self._resolvable(model, config)
         tp_plan, ep_plan, fsdp_plan = model._resolve_parallel_plans(resolving)
 
@@ -193,8 +221,7 @@ class TransformersPlans:
                                                 "scalar (0-d) parameters: FSDP2 cannot shard them, every rank holds them"))
         self._check_sharded(model)
         if self.warn and self.unsharded and (not dist.is_initialized() or dist.get_rank() == 0):
-            warnings.warn("parallelism left modules whole:\n  " + "\n  ".join(map(str, self.unsharded)),
-                          stacklevel=2)
+            logger.warning("parallelism left modules whole:\n  %s", "\n  ".join(map(str, self.unsharded)))
         return model
 
     def _resolvable(self, model: nn.Module, config: Any) -> Any:
@@ -240,8 +267,8 @@ class TransformersPlans:
             except AttributeError:
                 continue
             modules = tuple(name.rpartition(".")[0] for name in (source, tied))
-            if same and all(model.get_submodule(m) is not model for m in modules):
-                owners.append(modules)
+            if same and modules not in owners and all(model.get_submodule(m) is not model for m in modules):
+                owners.append(modules)  # once per module pair: a tied weight and its tied bias share one
         if not owners:
             return fsdp_plan
         dims = ("dp_replicate", "fsdp") if config.dp_replicate_size > 1 else "fsdp"

@@ -50,7 +50,15 @@ def _encode_error(error: BaseException) -> bytes:
 def _decode_error(raw: bytes, rank: int = 0) -> HPDCPHFError:
     fields = json.loads(raw)
     cls = getattr(errors, fields["type"], StorageReadError)
-    return cls(f"on rank {rank}: {fields['reason']}", file=fields["file"], key=fields["key"])
+    error = cls(f"on rank {rank}: {fields['reason']}", file=fields["file"], key=fields["key"])
+    error.rank = rank
+    return error
+
+
+def _from_rank(error: BaseException, rank: int) -> BaseException:
+    """``error``, marked as the one every rank raises: ``error.rank`` is the rank that failed."""
+    error.rank = rank  # type: ignore[attr-defined]
+    return error
 
 
 def _broadcast(payload: bytes | None, src: int = 0) -> bytes:
@@ -70,7 +78,7 @@ def agree_on_failure(error: BaseException | None) -> BaseException | None:
 
     Every rank raises the first failing rank's error (that rank its own object, the others the
     same :mod:`hp_dcp_hf.errors` type rebuilt from JSON), so all ranks report one cause, as DCP's
-    gathered failures do.
+    gathered failures do; on every rank ``error.rank`` is the failing rank.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     first = torch.tensor([rank if error is not None else world], dtype=torch.int64, device=collective_device())
@@ -79,7 +87,7 @@ def agree_on_failure(error: BaseException | None) -> BaseException | None:
     if src == world:
         return None
     raw = _broadcast(_encode_error(error) if rank == src else None, src=src)
-    return error if rank == src else _decode_error(raw, src)
+    return _from_rank(error, src) if rank == src else _decode_error(raw, src)
 
 
 def share_from_rank0(produce: Callable[[], bytes]) -> bytes:
@@ -93,6 +101,7 @@ def share_from_rank0(produce: Callable[[], bytes]) -> bytes:
         payload = produce()
     except Exception as error:
         _broadcast(bytes([_ERROR]) + _encode_error(error))
+        _from_rank(error, 0)
         raise
     _broadcast(bytes([_OK]) + payload)
     return payload

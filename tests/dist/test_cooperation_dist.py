@@ -37,7 +37,7 @@ def _load(rank: int, world: int, paths: dict[str, str]) -> dict:
         states, stats = {}, {}
         for mode in ("never", "always"):
             reader = HFStorageReader(paths[checkpoint], replicas=mode, coalesce_gap=0)
-            model, report = from_pretrained(paths[checkpoint], distributed_config=mesh, transforms=transforms,
+            model, report = from_pretrained(paths[checkpoint], dtype=torch.float32, distributed_config=mesh, transforms=transforms,
                                             reader=reader)
             states[mode] = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
             stats[mode] = {"read": reader.stats.total().bytes_read, "cooperating": reader.cooperating,
@@ -64,7 +64,7 @@ def _remote(rank: int, paths: dict[str, str]) -> dict:
                                "user_agent_extra": f"rank/{rank}"}}}),
                           ("http", {"headers": {"User-Agent": f"rank/{rank}"}})):
         reader = HFStorageReader(paths[name], coalesce_gap=0, **options)
-        model, _ = from_pretrained(paths[name], distributed_config="dp_replicate=2,tp=2", reader=reader)
+        model, _ = from_pretrained(paths[name], dtype=torch.float32, distributed_config="dp_replicate=2,tp=2", reader=reader)
         total = reader.stats.total()
         state = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}  # collective
         out[name] = {"cooperating": reader.cooperating, "read": total.bytes_read,
@@ -99,7 +99,7 @@ def _failures(rank: int, path: str) -> dict[str, str]:
         if rank == rank_failing:
             setattr(cls, method, broken)
         try:
-            from_pretrained(path, distributed_config="dp_replicate=2,tp=2", reader=HFStorageReader(path, replicas="always"))
+            from_pretrained(path, dtype=torch.float32, distributed_config="dp_replicate=2,tp=2", reader=HFStorageReader(path, replicas="always"))
             outcomes[name] = "loaded"
         except Exception as e:  # noqa: BLE001 - the test checks the type
             outcomes[name] = f"{type(e).__name__}: {e}"

@@ -48,7 +48,7 @@ def _run(rank: int, world: int, paths: dict[str, str], meshes: tuple[str, ...]) 
             try:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
-                    model, report = from_pretrained(path, model_cls=family_model_class(family), distributed_config=mesh)
+                    model, report = from_pretrained(path, dtype=torch.float32, model_cls=family_model_class(family), distributed_config=mesh)
                 state = {k: _full(v) for k, v in model.state_dict().items()}  # every rank: collectives
                 out[(family, mesh)] = {"state": state if rank == 0 else None, "missing": report.missing_keys,
                                        "unexpected": report.unexpected_keys,

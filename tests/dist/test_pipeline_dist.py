@@ -52,7 +52,7 @@ def _run(rank: int, world: int, paths: dict[str, str]) -> dict:
 
     out: dict = {}
     for name, (ckpt, _, transforms, mesh) in CASES.items():
-        model, report = from_pretrained(paths[ckpt], transforms=transforms, distributed_config=mesh)
+        model, report = from_pretrained(paths[ckpt], dtype=torch.float32, transforms=transforms, distributed_config=mesh)
         # before the forward: FSDP2 leaves the root group unsharded after it
         params = dict(model.named_parameters(remove_duplicate=False))
         state_keys = sorted(model.state_dict())
@@ -81,7 +81,7 @@ def _run(rank: int, world: int, paths: dict[str, str]) -> dict:
         }
     # strict=False: the two dropped tensors come from the model's own init, the rest from the file.
     torch.manual_seed(1234)  # SPMD: every rank seeded alike (spawned ranks start from random seeds)
-    model, report = from_pretrained(paths["llama-missing"], distributed_config=MESH, strict=False)
+    model, report = from_pretrained(paths["llama-missing"], dtype=torch.float32, distributed_config=MESH, strict=False)
     state = model.state_dict()
     dropped = {k: state[k].full_tensor() for k in DROPPED}
     kept = {k: v.full_tensor() for k, v in state.items() if k not in report.missing_keys and isinstance(v, DTensor)}
@@ -100,12 +100,12 @@ def _run(rank: int, world: int, paths: dict[str, str]) -> dict:
     # Every tiny model type (their conversions: Chunk, Split, Transpose, PermuteForRope, ...).
     out["types"] = {}
     for model_type in MODEL_TYPES:
-        model, report = from_pretrained(paths[f"type-{model_type}"], distributed_config=MESH)
+        model, report = from_pretrained(paths[f"type-{model_type}"], dtype=torch.float32, distributed_config=MESH)
         full = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
         out["types"][model_type] = {"state": full if rank == 0 else None, "missing": report.missing_keys,
                                     "sharded": sum(isinstance(v, DTensor) for v in model.state_dict().values())}
     try:
-        from_pretrained(paths["llama-missing"], distributed_config=MESH)
+        from_pretrained(paths["llama-missing"], dtype=torch.float32, distributed_config=MESH)
         out["strict_error"] = None
     except MissingKeysError as e:
         out["strict_error"] = (type(e).__name__, str(e))

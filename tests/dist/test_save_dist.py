@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 from hp_dcp_hf.launch import run_ranks
 from tests.families import build_family_model, family_model_class, save_family_model
@@ -43,7 +44,7 @@ def _save(rank: int, world: int, cases: dict, paths: dict, out: str) -> dict:
     for name, (family, mesh, transforms) in cases.items():
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            model, _ = from_pretrained(paths[family], model_cls=family_model_class(family),
+            model, _ = from_pretrained(paths[family], dtype=torch.float32, model_cls=family_model_class(family),
                                        distributed_config=mesh, transforms=transforms)
             planner = HFSavePlanner(model)
             writer = HFStorageWriter(os.path.join(out, name), max_shard_size=SHARD)
@@ -59,7 +60,7 @@ def _failing_save(rank: int, world: int, path: str, out: str) -> str:
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model, _ = from_pretrained(path, model_cls=family_model_class("llama"), distributed_config="dp=2")
+        model, _ = from_pretrained(path, dtype=torch.float32, model_cls=family_model_class("llama"), distributed_config="dp=2")
     if rank == 1:
         real = os.pwrite
 
@@ -161,7 +162,7 @@ def _s3_save(rank: int, world: int, checkpoint: str, out: str, prefix: str, opti
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model, _ = from_pretrained(checkpoint, model_cls=family_model_class("llama"), distributed_config="dp=2,tp=2")
+        model, _ = from_pretrained(checkpoint, dtype=torch.float32, model_cls=family_model_class("llama"), distributed_config="dp=2,tp=2")
         save_hf_checkpoint(model, out, max_shard_size="12MB")
         writer = HFStorageWriter(prefix, max_shard_size="12MB", part_bytes=MIN_PART_BYTES, **options)
         save_hf_checkpoint(model, prefix, writer=writer)

@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from hp_dcp_hf.launch import run_ranks
 from tests.test_save_mapping import ALL_CASES, CASES, MIXTRAL, assert_same_weights, weights, write_checkpoint
@@ -52,7 +53,7 @@ def _save(rank: int, world: int, checkpoints: dict[str, str], out: str) -> dict[
                 load_hf_checkpoint(model, checkpoints[case], weights_mapping=case_mapping(case))
                 save(model, f"{case}/{layout}/recorded", None)
                 save(model, f"{case}/{layout}/given", case_mapping(case))
-        model, _ = from_pretrained(checkpoints[MIXTRAL], model_cls=family_model_class("mixtral"),
+        model, _ = from_pretrained(checkpoints[MIXTRAL], dtype=torch.float32, model_cls=family_model_class("mixtral"),
                                    distributed_config="tp=2", weights_mapping=case_mapping(MIXTRAL))
         save(model, f"{MIXTRAL}/tp2/recorded", None)
         save(model, f"{MIXTRAL}/tp2/given", case_mapping(MIXTRAL))
