@@ -23,8 +23,8 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 
 from hp_dcp_hf.box import disjoint_cover
 from hp_dcp_hf.errors import LayoutError
-from hp_dcp_hf.layout import ShardPiece, local_shard_pieces
 from hp_dcp_hf.launch import run_ranks
+from hp_dcp_hf.layout import ShardPiece, local_shard_pieces
 
 SS = _StridedShard
 
