@@ -163,6 +163,10 @@ class Backend:
     def join(self, root: str, file: str) -> str:
         return posixpath.join(root, file) if root else file
 
+    def url(self, path: str) -> str:
+        """``path`` as errors name it: as the user would write it, scheme included (``path`` itself here)."""
+        return path
+
     def locate(self, path: str) -> tuple[str, str | None]:
         """The checkpoint root of ``path`` and, when it names one file, that file's name.
 
@@ -175,7 +179,7 @@ class Backend:
             return path, None
         if self.local:
             raise CheckpointNotFoundError("does not exist locally (no such file or directory)", file=path)
-        raise CheckpointNotFoundError("no such file or directory", file=path)
+        raise CheckpointNotFoundError("no such file or directory", file=self.url(path))
 
     def isfile(self, path: str) -> bool:
         raise NotImplementedError

@@ -3,6 +3,7 @@
 A checkpoint is a single ``.safetensors`` file, a directory with ``model.safetensors`` (read first,
 as transformers does), a directory with ``model.safetensors.index.json`` (its ``weight_map`` says
 which file holds which key), or a directory of ``*.safetensors`` files.
+Passing the index file itself names its directory (the same checkpoint, read by the same rules).
 The index is not trusted: the files it names must stay inside the directory and exist, and after
 the headers are read every key must sit in the file the index says, and nothing else may. A key in
 two files is an error, since either choice would be a silent guess. Pickle checkpoints are refused.
@@ -44,8 +45,9 @@ QUANTIZATION_CONFIG = "hp_dcp_hf.quantization_config"
 SAFETENSORS_SUFFIX = ".safetensors"
 _UNSAFE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 _CONVERT_HINT = (
-    "pickle checkpoints are never loaded (unpickling runs arbitrary code); convert it to safetensors, "
-    "e.g. model.save_pretrained(dir, safe_serialization=True) or the Hub's safetensors convert space"
+    "pickle checkpoints are never loaded (unpickling runs arbitrary code); convert it to safetensors: "
+    "load it once with transformers' from_pretrained and save it with save_pretrained(dir) (safetensors "
+    "is all it writes), or use the Hub's safetensors convert space"
 )
 
 
@@ -157,8 +159,11 @@ def _find(
         if single_file.endswith(SAFETENSORS_SUFFIX):
             return (single_file,), None, [], None
         if _is_unsafe(single_file):
-            raise UnsafeCheckpointError(_CONVERT_HINT, file=single_file)
-        raise CheckpointFormatError("not a .safetensors file", file=single_file)
+            raise UnsafeCheckpointError(_CONVERT_HINT, file=location.url(single_file))
+        raise CheckpointFormatError(
+            "not a .safetensors file: pass a .safetensors file or the checkpoint's directory",
+            file=location.url(single_file),
+        )
     names = location.list_files()
     if SINGLE_FILE in names:  # transformers reads it first, whatever else the directory holds
         return (SINGLE_FILE,), None, names, None
@@ -172,13 +177,13 @@ def _find(
         return files, weight_map, names, save_id
     if JOURNAL_FILE in names:
         raise InterruptedSaveError("a save into this path was interrupted while it published; the next save "
-                                   "into it or `hp-dcp-hf repair PATH` completes it", file=location.root)
+                                   "into it or `hp-dcp-hf repair PATH` completes it", file=location.url())
     files = tuple(name for name in names if name.endswith(SAFETENSORS_SUFFIX))
     if files:
         return files, None, names, None
     if any(_is_unsafe(name) for name in names):
-        raise UnsafeCheckpointError(_CONVERT_HINT, file=location.root)
-    raise CheckpointNotFoundError("directory holds no .safetensors files", file=location.root)
+        raise UnsafeCheckpointError(_CONVERT_HINT, file=location.url())
+    raise CheckpointNotFoundError("directory holds no .safetensors files", file=location.url())
 
 
 def _check_one_save(headers: list[FileHeader], index_save_id: str | None) -> None:

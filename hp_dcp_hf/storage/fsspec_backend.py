@@ -242,15 +242,20 @@ class FsspecBackend(Backend):
     def __repr__(self) -> str:
         return f"FsspecBackend({type(self.fs).__name__})"
 
+    def url(self, path: str) -> str:
+        """A remote path with its scheme (``s3://bucket/key``: s3fs paths drop it, and then read like
+        local ones); a local path as it is."""
+        return path if self.local else self.fs.unstrip_protocol(path)
+
     def _call(self, what: str, path: str, fn: Callable[[], T]) -> T:
         if self.retry is None:
             return fn()
         try:
-            return self.retry.run(fn, what=what, file=path, is_transient=fsspec_error_is_transient)
+            return self.retry.run(fn, what=what, file=self.url(path), is_transient=fsspec_error_is_transient)
         except (HPDCPHFError, FileNotFoundError):
             raise
         except Exception as e:  # credentials, permissions, ...: one typed error on every rank
-            raise StorageReadError(f"{what} failed: {type(e).__name__}: {e}", file=path) from e
+            raise StorageReadError(f"{what} failed: {type(e).__name__}: {e}", file=self.url(path)) from e
 
     def isfile(self, path: str) -> bool:
         return self._call("isfile", path, lambda: self.fs.isfile(path))

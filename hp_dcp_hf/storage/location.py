@@ -170,6 +170,11 @@ class CheckpointLocation:
     def path(self, file: str) -> str:
         return self.backend.join(self.root, file)
 
+    def url(self, file: str | None = None) -> str:
+        """How errors name ``file`` (the root without one): with the store's scheme (``s3://``,
+        ``hf://``, ``https://``) on remote stores, so no remote path reads like a local one."""
+        return self.backend.url(self.root if file is None else self.path(file))
+
     def exists(self, file: str) -> bool:
         return self.backend.isfile(self.path(file))
 
@@ -203,8 +208,10 @@ class CheckpointLocation:
 def locate(fs: Backend | AbstractFileSystem, fspath: str) -> tuple[CheckpointLocation, str | None]:
     """The location of ``fspath`` and, when it names a single file, that file's name.
 
-    Remote backends may pin the location here (a Hub revision is resolved to its commit). A bare
-    ``org/repo`` that was no local path and that the Hub does not answer for fails naming both.
+    The index file names its directory: ``dir/model.safetensors.index.json`` is ``dir`` (those who
+    pass it mean the checkpoint it indexes; transformers takes the directory). Remote backends may
+    pin the location here (a Hub revision is resolved to its commit). A bare ``org/repo`` that was
+    no local path and that the Hub does not answer for (or that reaches no Hub) fails naming both.
     """
     backend = as_backend(fs)
     try:
@@ -213,5 +220,6 @@ def locate(fs: Backend | AbstractFileSystem, fspath: str) -> tuple[CheckpointLoc
         # remote.resolve gives a Hub backend its hint only for a bare repo id that is no local path
         if not getattr(backend, "hint", ""):
             raise
-        raise type(e)(f"no local directory {fspath!r}, and the Hub answered: {e.reason}", file=e.file, key=e.key) from e
-    return CheckpointLocation(backend, root), single_file
+        outcome = e.reason if isinstance(e, remote.UnreachableError) else f"the Hub answered: {e.reason}"
+        raise type(e)(f"no local directory {fspath!r}, and {outcome}", file=e.file, key=e.key) from e
+    return CheckpointLocation(backend, root), None if single_file == remote.INDEX_FILE else single_file

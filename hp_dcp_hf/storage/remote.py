@@ -62,7 +62,16 @@ from hp_dcp_hf.storage.backend import (
     read_ranged,
 )
 
-__all__ = ["HttpBackend", "HttpClient", "HttpRangeFile", "HubBackend", "RetryPolicy", "TransientError", "resolve"]
+__all__ = [
+    "HttpBackend",
+    "HttpClient",
+    "HttpRangeFile",
+    "HubBackend",
+    "RetryPolicy",
+    "TransientError",
+    "UnreachableError",
+    "resolve",
+]
 
 T = TypeVar("T")
 
@@ -355,8 +364,6 @@ class HttpBackend(Backend):
             )
         url = path.rstrip("/")
         name = parts.path.rstrip("/").rsplit("/", 1)[-1]
-        if name == INDEX_FILE:
-            return url.rsplit("/", 1)[0], None
         if name.endswith(_FILE_SUFFIXES):
             return url.rsplit("/", 1)[0], name
         return url, None  # a directory: the catalog reads its index (there is no listing)
@@ -396,6 +403,20 @@ _HUB_PINNED = re.compile(
 )
 _BARE_REPO = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9_][\w.-]*(?:@[^\s]+)?$")
 _REPO_TYPES = {"datasets": "dataset", "spaces": "space"}
+
+
+class UnreachableError(StorageReadError):
+    """No answer came from the store at all (connection refused, no route, name not resolved, timeouts),
+    on every try: nothing was found missing or refused, so errors say so rather than "answered"."""
+
+
+def _no_answer(error: BaseException | None) -> bool:
+    """``error`` is a transport failure of the Hub's client, with no HTTP answer behind it."""
+    return (
+        error is not None
+        and getattr(getattr(error, "response", None), "status_code", None) is None
+        and _hub_error_is_transient(error)
+    )
 
 
 def _hub_error_is_transient(error: BaseException) -> bool:
@@ -439,6 +460,10 @@ class HubBackend(Backend):
     def __repr__(self) -> str:
         return f"HubBackend({self.fs.endpoint})"
 
+    def url(self, path: str) -> str:
+        """``hf://`` and the path, as ``hf://org/repo@rev/file`` is passed (a bare ``org/repo`` too)."""
+        return f"hf://{path}"
+
     # metadata (the rank that reads headers) -------------------------------------------------
 
     def _check_online(self, path: str) -> None:
@@ -447,16 +472,21 @@ class HubBackend(Backend):
         if constants.HF_HUB_OFFLINE:
             raise CheckpointNotFoundError(
                 f"HF_HUB_OFFLINE is set, so Hub checkpoints cannot be read; unset it, or pass a local copy{self.hint}",
-                file=path,
+                file=self.url(path),
             )
 
     def _call(self, what: str, path: str, fn: Callable[[], T]) -> T:
         self._check_online(path)
         try:
-            return self.retry.run(fn, what=what, file=path, is_transient=_hub_error_is_transient)
+            return self.retry.run(fn, what=what, file=self.url(path), is_transient=_hub_error_is_transient)
+        except StorageReadError as e:
+            if not _no_answer(e.__cause__):
+                raise
+            reason = f"the Hub could not be reached at {self.fs.endpoint}: {e.reason}"
+            raise UnreachableError(reason, file=e.file) from e
         except FileNotFoundError as e:
             raise CheckpointNotFoundError(
-                f"not found on the Hub ({self.fs.endpoint}): {e}{self.hint}", file=path
+                f"not found on the Hub ({self.fs.endpoint}): {e}{self.hint}", file=self.url(path)
             ) from e
         except HPDCPHFError:
             raise
@@ -466,16 +496,18 @@ class HubBackend(Backend):
                 "RepositoryNotFoundError", "RevisionNotFoundError", "EntryNotFoundError"
             ):
                 raise CheckpointNotFoundError(
-                    f"not found on the Hub ({self.fs.endpoint}): {e}{self.hint}", file=path
+                    f"not found on the Hub ({self.fs.endpoint}): {e}{self.hint}", file=self.url(path)
                 ) from e
-            raise StorageReadError(f"{what} failed: {type(e).__name__}: {e}", file=path) from e
+            raise StorageReadError(f"{what} failed: {type(e).__name__}: {e}", file=self.url(path)) from e
 
     def locate(self, path: str) -> tuple[str, str | None]:
         from huggingface_hub import HfApi
 
         resolved = self._call("resolve", path, lambda: self.fs.resolve_path(path, revision=self.revision))
         if not hasattr(resolved, "repo_id"):
-            raise CheckpointNotFoundError("Hub buckets are not checkpoint repos; use hf://org/repo", file=path)
+            raise CheckpointNotFoundError(
+                "Hub buckets are not checkpoint repos; use hf://org/repo", file=self.url(path)
+            )
         api = HfApi(endpoint=self.fs.endpoint, token=self.fs.token)
         info = self._call(
             "resolve revision",
@@ -483,7 +515,9 @@ class HubBackend(Backend):
             lambda: api.repo_info(resolved.repo_id, repo_type=resolved.repo_type, revision=resolved.revision),
         )
         if not info.sha:
-            raise StorageReadError(f"the Hub gave no commit for revision {resolved.revision!r}", file=path)
+            raise StorageReadError(
+                f"the Hub gave no commit for revision {resolved.revision!r}", file=self.url(path)
+            )
         prefix = {"dataset": "datasets/", "space": "spaces/"}.get(resolved.repo_type, "")
         pinned = f"{prefix}{resolved.repo_id}@{info.sha}"
         sub = resolved.path_in_repo.strip("/")
@@ -497,7 +531,8 @@ class HubBackend(Backend):
         if kind == "directory":
             return full, None
         raise CheckpointNotFoundError(
-            f"no such file or directory in {resolved.repo_id}@{resolved.revision} ({info.sha})", file=path
+            f"no such file or directory in {resolved.repo_id}@{resolved.revision} ({info.sha})",
+            file=self.url(path),
         )
 
     def _kind(self, path: str) -> str | None:
@@ -524,13 +559,15 @@ class HubBackend(Backend):
 
         self._check_online(path)
         try:
-            return self.retry.run(size, what="size", file=path, is_transient=_hub_error_is_transient)
+            return self.retry.run(
+                size, what="size", file=self.url(path), is_transient=_hub_error_is_transient
+            )
         except FileNotFoundError:
             raise
         except HPDCPHFError:
             raise
         except Exception as e:
-            raise StorageReadError(f"size failed: {type(e).__name__}: {e}", file=path) from e
+            raise StorageReadError(f"size failed: {type(e).__name__}: {e}", file=self.url(path)) from e
 
     def stat(self, path: str) -> FileVersion:
         """The size, and the commit of the pinned root as the version (the Hub sends it back as
@@ -544,14 +581,15 @@ class HubBackend(Backend):
 
     # data (every rank, no I/O until read) -----------------------------------------------------
 
-    def url(self, path: str) -> str:
+    def resolve_url(self, path: str) -> str:
         """The ``resolve`` URL of a file under a pinned root."""
         from huggingface_hub import hf_hub_url
 
         m = _HUB_PINNED.match(path)
         if m is None or not m.group("path"):
             raise CheckpointNotFoundError(
-                "not a file of a Hub commit (org/repo@<40-hex sha>/file); locate() pins the root first", file=path
+                "not a file of a Hub commit (org/repo@<40-hex sha>/file); locate() pins the root first",
+                file=self.url(path),
             )
         return hf_hub_url(
             m.group("repo"),
@@ -574,7 +612,7 @@ class HubBackend(Backend):
 
     def open(self, path: str, file: str, expected: FileVersion | None = None) -> RangeFile:
         self._check_online(path)
-        return HttpRangeFile(file, self.url(path), self._http(), expected, tag_header="X-Repo-Commit")
+        return HttpRangeFile(file, self.resolve_url(path), self._http(), expected, tag_header="X-Repo-Commit")
 
 
 # -- choosing a backend ---------------------------------------------------------------------------
