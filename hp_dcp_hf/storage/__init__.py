@@ -1,7 +1,7 @@
 """Bytes of safetensors checkpoints: locate files, validate headers, read exact byte ranges, write
 new checkpoints in place."""
 
-from hp_dcp_hf.storage.catalog import INDEX_FILE, Catalog, find_files, parse_index, scan
+from hp_dcp_hf.storage.catalog import INDEX_FILE, Catalog, CheckpointTensor, find_files, parse_index, scan
 from hp_dcp_hf.storage.dtypes import SAFETENSORS_DTYPES, SafetensorsDtype, lookup_dtype
 from hp_dcp_hf.storage.header import MAX_HEADER_BYTES, FileHeader, TensorEntry, parse_header, read_header
 from hp_dcp_hf.storage.location import CheckpointLocation, RangeFile, filesystem, locate
@@ -17,6 +17,7 @@ __all__ = [
     "SAFETENSORS_DTYPES",
     "Catalog",
     "CheckpointLocation",
+    "CheckpointTensor",
     "FileHeader",
     "FileStats",
     "HFStorageReader",

@@ -6,7 +6,12 @@ which file holds which key), or a directory of ``*.safetensors`` files.
 Passing the index file itself names its directory (the same checkpoint, read by the same rules).
 The index is not trusted: the files it names must stay inside the directory and exist, and after
 the headers are read every key must sit in the file the index says, and nothing else may. A key in
-two files is an error, since either choice would be a silent guess. Pickle checkpoints are refused.
+two files is an error, since either choice would be a silent guess, except where torch's
+``HuggingFaceStorageWriter(save_distributed=True)`` wrote it: one file per rank
+(``shard-0000r-model-0000k-of-0000n.safetensors``, no index), each chunk placed by the file's
+``DCP_SHARDING_INFO``. Such a key is one :class:`CheckpointTensor` of several parts, as torch's own
+reader rebuilds it (its shape the furthest chunk end in every dim), and its chunks must tile that
+shape exactly, in one dtype. Pickle checkpoints are refused.
 Files written by hp-dcp-hf carry their save's id (:mod:`hp_dcp_hf.storage.journal`): every file
 read must carry the index's, so a mix of two saves is an error naming the odd files, not a load.
 
@@ -20,11 +25,15 @@ instead of loading bytes its header does not describe.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+import math
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
+from hp_dcp_hf.box import Box
 from hp_dcp_hf.errors import (
     CheckpointFormatError,
     CheckpointNotFoundError,
@@ -33,7 +42,14 @@ from hp_dcp_hf.errors import (
     UnsafeCheckpointError,
 )
 from hp_dcp_hf.storage.dtypes import lookup_dtype
-from hp_dcp_hf.storage.header import MAX_HEADER_BYTES, FileHeader, TensorEntry, loads_json_object, read_header
+from hp_dcp_hf.storage.header import (
+    MAX_HEADER_BYTES,
+    SHARDING_INFO_KEY,
+    FileHeader,
+    TensorEntry,
+    loads_json_object,
+    read_header,
+)
 from hp_dcp_hf.storage.journal import INDEX_FILE, JOURNAL_FILE, SAVE_ID_KEY, SINGLE_FILE
 from hp_dcp_hf.storage.location import CheckpointLocation, FileVersion
 from hp_dcp_hf.storage.stats import ReadStats
@@ -56,6 +72,126 @@ def _is_unsafe(name: str) -> bool:
 
 
 @dataclass(frozen=True)
+class CheckpointTensor:
+    """One key of a checkpoint: its tensor's dtype and shape, and the ``parts`` that hold its bytes.
+
+    A tensor is stored whole in one file (one part), or in chunks across files, each part placed at
+    its :attr:`TensorEntry.offsets`; the parts tile :attr:`shape` exactly (:func:`assemble` checks
+    it). Readers split a box of the tensor by part (:meth:`pieces`); ``file`` and ``data_start``
+    exist only for a tensor stored whole, so code that reads whole tensors fails clearly on chunks.
+    """
+
+    key: str
+    dtype_name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    parts: tuple[TensorEntry, ...]
+
+    @property
+    def itemsize(self) -> int:
+        return self.dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return sum(part.nbytes for part in self.parts)
+
+    @property
+    def chunked(self) -> bool:
+        """Stored in several chunks (a single part tiles the tensor alone: it is the whole tensor)."""
+        return len(self.parts) > 1
+
+    @property
+    def whole(self) -> TensorEntry:
+        """The one part of a tensor stored whole in one file (:class:`ValueError` for chunks)."""
+        if self.chunked:
+            raise ValueError(
+                f"checkpoint tensor {self.key!r} is stored in {len(self.parts)} chunks "
+                f"({self.parts[0].file!r}, ...: torch's distributed HF files), not whole in one file: "
+                "read it through its parts"
+            )
+        return self.parts[0]
+
+    @property
+    def file(self) -> str:
+        return self.whole.file
+
+    @property
+    def data_start(self) -> int:
+        return self.whole.data_start
+
+    @property
+    def data_end(self) -> int:
+        return self.whole.data_end
+
+    def pieces(self, box: Box) -> list[tuple[TensorEntry, Box]]:
+        """The parts ``box`` (in the tensor's coordinates) touches, each with the piece of it it holds."""
+        if not self.chunked:
+            return [(self.parts[0], box)]
+        found = []
+        for part in self.parts:
+            piece = part.box.intersect(box)
+            if piece is not None:
+                found.append((part, piece))
+        return found
+
+
+def assemble(key: str, parts: Sequence[TensorEntry]) -> CheckpointTensor:
+    """The tensor of ``key`` from its parts: one whole tensor, or chunks that tile their tensor.
+
+    As torch's reader rebuilds it, the shape is the furthest chunk end in every dim; unlike it, the
+    chunks are checked: one dtype, one rank, no overlap, no gap. Raises :class:`CheckpointFormatError`
+    naming a file of the key and the reason.
+    """
+    first = parts[0]
+    if len(parts) == 1 and first.offsets is None:
+        return CheckpointTensor(key, first.dtype_name, first.dtype, first.shape, (first,))
+    for part in parts[1:]:
+        if part.dtype_name != first.dtype_name or len(part.shape) != len(first.shape):
+            raise CheckpointFormatError(
+                f"chunk {part.dtype_name} {list(part.shape)} does not match the chunk in {first.file!r} "
+                f"({first.dtype_name} {list(first.shape)}): the chunks of one tensor share its dtype and "
+                "rank",
+                file=part.file, key=key,
+            )
+    shape = tuple(max(p.box.ends[d] for p in parts) for d in range(len(first.shape)))
+    _check_tiling(key, parts, shape)
+    return CheckpointTensor(key, first.dtype_name, first.dtype, shape, tuple(parts))
+
+
+def _check_tiling(key: str, parts: Sequence[TensorEntry], shape: tuple[int, ...]) -> None:
+    """The parts tile ``shape``: no two share an element and together they hold every one.
+
+    Every part lies inside ``shape`` (it is their bounding box), so no overlap plus the element
+    count is exact tiling. Overlaps are found by a sweep along the dim with the most distinct chunk
+    starts (a 1-D split of n chunks costs n checks, a grid of rows x cols about n x cols), not by
+    comparing every pair.
+    """
+    filled = [p for p in parts if math.prod(p.shape)]
+    # 0-d: any second part is the same element again (no dim to sweep, every pair overlaps)
+    dim = max(range(len(shape)), key=lambda d: len({p.box.offsets[d] for p in filled})) if shape else None
+    active: list[TensorEntry] = []
+    for part in sorted(filled, key=lambda p: 0 if dim is None else p.box.offsets[dim]):
+        box = part.box
+        if dim is not None:
+            active = [a for a in active if a.box.ends[dim] > box.offsets[dim]]
+        other = next((a for a in active if dim is None or a.box.intersect(box) is not None), None)
+        if other is not None:
+            raise CheckpointFormatError(
+                f"chunk at offsets {list(box.offsets)} of shape {list(box.sizes)} overlaps the chunk in "
+                f"{other.file!r} at {list(other.box.offsets)} of shape {list(other.box.sizes)}",
+                file=part.file, key=key,
+            )
+        active.append(part)
+    held, total = sum(math.prod(p.shape) for p in filled), math.prod(shape)
+    if held != total:
+        raise CheckpointFormatError(
+            f"its {len(parts)} chunk(s) hold {held} of the {total} elements of shape {list(shape)}: a gap "
+            "(is a file with a chunk of it missing?)",
+            file=parts[0].file, key=key,
+        )
+
+
+@dataclass(frozen=True)
 class Catalog:
     """Every tensor of a checkpoint by key; file names are relative to ``root``.
 
@@ -67,14 +203,16 @@ class Catalog:
 
     root: str
     files: tuple[str, ...]
-    entries: Mapping[str, TensorEntry]
+    entries: Mapping[str, CheckpointTensor]
     versions: Mapping[str, FileVersion] = field(default_factory=dict)
     quantization_config: Mapping[str, Any] | None = None
 
     def to_json(self) -> bytes:
         entries = [
-            [e.key, e.file, e.dtype_name, list(e.shape), e.data_start, e.nbytes]
-            for e in self.entries.values()
+            [t.key, t.dtype_name, list(t.shape),
+             [[p.file, list(p.shape), p.data_start, p.nbytes, None if p.offsets is None else list(p.offsets)]
+              for p in t.parts]]
+            for t in self.entries.values()
         ]
         versions = {file: version.to_json() for file, version in self.versions.items()}
         return json.dumps(
@@ -84,13 +222,15 @@ class Catalog:
 
     @classmethod
     def from_json(cls, raw: bytes) -> Catalog:
+        """The catalog :meth:`to_json` wrote (on the rank that read and checked the headers)."""
         data = json.loads(raw)
-        entries = {
-            key: TensorEntry(
-                key, file, name, lookup_dtype(name, file=file, key=key).torch_dtype, tuple(shape), start, n
-            )
-            for key, file, name, shape, start, n in data["entries"]
-        }
+        entries = {}
+        for key, name, shape, parts in data["entries"]:
+            dtype = lookup_dtype(name, key=key).torch_dtype
+            entries[key] = CheckpointTensor(key, name, dtype, tuple(shape), tuple(
+                TensorEntry(key, file, name, dtype, tuple(size), start, n, None if at is None else tuple(at))
+                for file, size, start, n, at in parts
+            ))
         versions = {file: FileVersion.from_json(value) for file, value in data.get("versions", {}).items()}
         return cls(data["root"], tuple(data["files"]), entries, versions, data.get("quantization_config"))
 
@@ -199,14 +339,19 @@ def _check_one_save(headers: list[FileHeader], index_save_id: str | None) -> Non
             f"{expected or 'none'}", file=odd[0])
 
 
-def _collect(headers: list[FileHeader], weight_map: Mapping[str, str] | None) -> dict[str, TensorEntry]:
-    """key -> entry over all files, refusing duplicates and disagreements with the index."""
-    entries: dict[str, TensorEntry] = {}
+def _collect(headers: list[FileHeader], weight_map: Mapping[str, str] | None) -> dict[str, CheckpointTensor]:
+    """key -> tensor over all files, refusing keys in several files that no ``DCP_SHARDING_INFO``
+    places, chunks that do not tile, and disagreements with the index (which names one file a key)."""
+    parts: dict[str, list[TensorEntry]] = {}
     for header in headers:
         for entry in header.entries:
-            if entry.key in entries:
+            found = parts.setdefault(entry.key, [])
+            if found and (found[0].offsets is None or entry.offsets is None):
+                unplaced = [e.file for e in (found[0], entry) if e.offsets is None]
+                which = "neither file places" if len(unplaced) == 2 else f"{unplaced[0]!r} does not place"
                 raise CheckpointFormatError(
-                    f"key is in both {entries[entry.key].file!r} and {entry.file!r}",
+                    f"key is in both {found[0].file!r} and {entry.file!r}, and {which} it as a chunk of one "
+                    f"tensor ({SHARDING_INFO_KEY}, as torch's distributed HF files do)",
                     file=entry.file,
                     key=entry.key,
                 )
@@ -214,15 +359,15 @@ def _collect(headers: list[FileHeader], weight_map: Mapping[str, str] | None) ->
                 raise CheckpointFormatError(
                     f"file holds a key {INDEX_FILE} does not list", file=entry.file, key=entry.key
                 )
-            entries[entry.key] = entry
+            found.append(entry)
     for key, file in (weight_map or {}).items():
-        found = entries.get(key)
-        if found is None or found.file != file:
-            where = f"it is in {found.file!r}" if found else "no file holds it"
+        held = {part.file for part in parts.get(key, ())}
+        if held != {file}:
+            where = f"it is in {', '.join(map(repr, sorted(held)))}" if held else "no file holds it"
             raise CheckpointFormatError(
                 f"{INDEX_FILE} maps the key to this file but {where}", file=file, key=key
             )
-    return entries
+    return {key: assemble(key, found) for key, found in parts.items()}
 
 
 def scan(

@@ -6,6 +6,12 @@ header is the only part of a file read without a plan, so it is fetched as exact
 allocating, offsets contiguous from 0 to the end of the file, byte lengths equal to
 ``numel * itemsize``. A header that breaks a rule raises :class:`CheckpointFormatError` (or
 :class:`UnsupportedDtypeError`) naming the file, the key and the rule.
+
+Files torch's ``HuggingFaceStorageWriter`` writes (one per rank with ``save_distributed=True``)
+hold chunks of tensors: their ``__metadata__`` has ``DCP_SHARDING_INFO``, a JSON object mapping
+every key of the file to ``{"saved_offsets": [...]}``, where the chunk starts in the whole tensor.
+Those offsets are checked here as strictly as the rest of the header; whether the chunks of a key
+tile its tensor is the catalog's business, once every header is read.
 """
 
 from __future__ import annotations
@@ -13,11 +19,13 @@ from __future__ import annotations
 import json
 import struct
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Any
 
 import torch
 
+from hp_dcp_hf.box import Box
 from hp_dcp_hf.errors import CheckpointFormatError
 from hp_dcp_hf.storage.dtypes import lookup_dtype
 from hp_dcp_hf.storage.location import CheckpointLocation
@@ -28,6 +36,9 @@ MAX_HEADER_BYTES = 100_000_000
 """The reference implementation's cap on N, checked before anything is allocated for the header."""
 
 METADATA_KEY = "__metadata__"
+SHARDING_INFO_KEY = "DCP_SHARDING_INFO"
+"""The ``__metadata__`` entry torch's ``HuggingFaceStorageWriter`` places chunks with (``_hf_utils``)."""
+SAVED_OFFSETS_KEY = "saved_offsets"
 
 
 @dataclass(frozen=True)
@@ -36,6 +47,9 @@ class TensorEntry:
 
     ``shape`` and ``dtype`` are the torch tensor's (for F4, two values per ``float4_e2m1fn_x2``
     element, so the last dim is half the header's); ``data_start`` is absolute in the file.
+    ``offsets``: where this tensor starts in the tensor of its key when the file's
+    ``DCP_SHARDING_INFO`` places it (a chunk of a tensor torch's writer split across files);
+    ``None`` when the file holds the key's tensor whole, with nothing to place it.
     """
 
     key: str
@@ -45,10 +59,16 @@ class TensorEntry:
     shape: tuple[int, ...]
     data_start: int
     nbytes: int
+    offsets: tuple[int, ...] | None = None
 
     @property
     def itemsize(self) -> int:
         return self.dtype.itemsize
+
+    @cached_property
+    def box(self) -> Box:
+        """The elements this entry holds, in the coordinates of its key's whole tensor."""
+        return Box(self.offsets or (0,) * len(self.shape), self.shape)
 
     @property
     def data_end(self) -> int:
@@ -101,6 +121,49 @@ def _parse_metadata(value: object, file: str) -> dict[str, str]:
     if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
         raise CheckpointFormatError("__metadata__ must map strings to strings", file=file, key=METADATA_KEY)
     return value
+
+
+def _parse_sharding_info(metadata: Mapping[str, str], file: str) -> dict[str, tuple[int, ...]] | None:
+    """``DCP_SHARDING_INFO`` as key -> saved offsets (``None`` without it), every field checked."""
+    raw = metadata.get(SHARDING_INFO_KEY)
+    if raw is None:
+        return None
+    try:
+        info = loads_json_object(raw.encode(), file=file)
+    except CheckpointFormatError as e:
+        reason = f"{SHARDING_INFO_KEY} in __metadata__: {e.reason}"
+        raise CheckpointFormatError(reason, file=file, key=e.key) from e
+    offsets = {}
+    for key, value in info.items():
+        saved = value.get(SAVED_OFFSETS_KEY) if isinstance(value, dict) else None
+        if not isinstance(saved, list) or not all(_is_count(o) for o in saved):
+            raise CheckpointFormatError(
+                f"{SHARDING_INFO_KEY} must give each key {{{SAVED_OFFSETS_KEY!r}: [non-negative ints]}}, "
+                f"got {value!r}",
+                file=file,
+                key=key,
+            )
+        offsets[key] = tuple(saved)
+    return offsets
+
+
+def _place(entry: TensorEntry, sharding: Mapping[str, tuple[int, ...]]) -> TensorEntry:
+    """``entry`` with the offsets ``DCP_SHARDING_INFO`` gives it, which must have one per dim."""
+    offsets = sharding.get(entry.key)
+    if offsets is None:
+        raise CheckpointFormatError(
+            f"the file's {SHARDING_INFO_KEY} places other keys but not this one",
+            file=entry.file,
+            key=entry.key,
+        )
+    if len(offsets) != len(entry.shape):
+        raise CheckpointFormatError(
+            f"{SHARDING_INFO_KEY} gives {SAVED_OFFSETS_KEY} {list(offsets)} to a tensor of shape "
+            f"{list(entry.shape)}",
+            file=entry.file,
+            key=entry.key,
+        )
+    return replace(entry, offsets=offsets)
 
 
 def _parse_entry(key: str, info: object, file: str, data_base: int) -> tuple[TensorEntry, int, int]:
@@ -174,7 +237,16 @@ def parse_header(raw: bytes, *, file: str, file_size: int) -> FileHeader:
         raise CheckpointFormatError(
             f"tensor data ends at byte {data_base + expected} but the file has {file_size} bytes", file=file
         )
-    return FileHeader(file, len(raw), metadata, tuple(entry for entry, _, _ in parsed))
+    entries = tuple(entry for entry, _, _ in parsed)
+    sharding = _parse_sharding_info(metadata, file)
+    if sharding is not None:
+        stray = sorted(set(sharding) - {entry.key for entry in entries})
+        if stray:
+            raise CheckpointFormatError(
+                f"{SHARDING_INFO_KEY} places a key the file does not hold", file=file, key=", ".join(stray)
+            )
+        entries = tuple(_place(entry, sharding) for entry in entries)
+    return FileHeader(file, len(raw), metadata, entries)
 
 
 def read_header(location: CheckpointLocation, file: str, stats: ReadStats) -> FileHeader:

@@ -3,9 +3,11 @@ checkpoint each rank's plan needs.
 
 Metadata: rank 0 reads the index and every header (ranged reads) and broadcasts them as JSON; the
 DCP metadata has one whole-tensor chunk per checkpoint key, so any planner's read items are boxes
-of checkpoint tensors. Data: items are cut to the staging budget and packed into per-file batches
-that a thread pool reads. Local files are mapped into memory and each box is one strided
-``copy_`` out of the mapping (a row-sharded box would otherwise be one read per row). Other
+of checkpoint tensors, also where a tensor is stored in chunks across files (torch's distributed
+HF files): the reader splits each box by chunk and reads every piece from its own file. Data:
+items are cut to the staging budget and packed into per-file batches that a thread pool reads.
+Local files are mapped into memory and each box is one strided ``copy_`` out of the mapping (a
+row-sharded box would otherwise be one read per row). Other
 backends read byte ranges, coalesced into requests: when the destination is a contiguous CPU
 tensor of the checkpoint dtype, the bytes land in it directly; otherwise they go through a slot of a
 bounded staging ring and ``copy_`` (which casts and writes through non-contiguous views). CUDA
@@ -47,7 +49,7 @@ from hp_dcp_hf.errors import HPDCPHFError, PlanningError, StorageReadError
 from hp_dcp_hf.parallel.cooperation import COOPERATE, ExchangeStats, ReadProgress, share_slices
 from hp_dcp_hf.perf import paused_gc
 from hp_dcp_hf.storage.broadcast import agree_on_failure, share_from_rank0, should_broadcast
-from hp_dcp_hf.storage.catalog import QUANTIZATION_CONFIG, Catalog, find_files, scan
+from hp_dcp_hf.storage.catalog import QUANTIZATION_CONFIG, Catalog, CheckpointTensor, find_files, scan
 from hp_dcp_hf.storage.copy import copy_into
 from hp_dcp_hf.storage.header import TensorEntry
 from hp_dcp_hf.storage.location import CheckpointLocation, RangeFile, filesystem, locate
@@ -85,7 +87,8 @@ def _aligned(nbytes: int) -> int:
 
 @dataclass(frozen=True)
 class _Chunk:
-    """A part of one read item small enough for the staging budget, with where its bytes go."""
+    """A part of one read item small enough for the staging budget, with where its bytes go: ``box``
+    is in the coordinates of ``entry``, the tensor (or chunk of one) stored in one file."""
 
     item: int
     entry: TensorEntry
@@ -155,13 +158,16 @@ class HFStorageReader(StorageReader):
     """Loads a Hugging Face safetensors checkpoint through ``torch.distributed.checkpoint``.
 
     ``path``: a ``.safetensors`` file or a directory (with or without
-    ``model.safetensors.index.json``), as a local path or any fsspec URL; ``storage_options`` and
-    ``fs_kwargs`` go to the fsspec filesystem. ``coalesce_gap``: neighbouring byte ranges at most
-    this far apart are read in one request (gap bytes are read and dropped); by default 0 on local
-    files (bytes read = bytes needed) and 1 MiB on remote stores, where a request costs a round
-    trip (``REMOTE_COALESCE_GAP``; pass 0 to fetch needed bytes only). ``num_threads``: reads
-    in flight (on remote stores: requests in flight, those of one batch too; a batch there is at
-    least 8 MiB whatever the thread count, so GETs do not shrink as threads grow).
+    ``model.safetensors.index.json``; the index file's own path names its directory), as a local
+    path or any fsspec URL; the files torch's ``HuggingFaceStorageWriter(save_distributed=True)``
+    writes (a tensor in chunks across per-rank files) load like any checkpoint.
+    ``storage_options`` and ``fs_kwargs`` go to the fsspec filesystem. ``coalesce_gap``:
+    neighbouring byte ranges at most this far apart are read in one request (gap bytes are read
+    and dropped); by default 0 on local files (bytes read = bytes needed) and 1 MiB on remote
+    stores, where a request costs a round trip (``REMOTE_COALESCE_GAP``; pass 0 to fetch needed
+    bytes only). ``num_threads``: reads in flight (on remote stores: requests in flight, those of
+    one batch too; a batch there is at least 8 MiB whatever the thread count, so GETs do not shrink
+    as threads grow).
     ``staging_bytes``: the most memory reads in flight may hold for staging, or keep mapped (a
     part's span in the file, holes included, counts); a larger tensor is read a block of rows at a
     time. With CUDA destinations the staging ring holds one batch more (a batch's reads overlap the
@@ -187,7 +193,8 @@ class HFStorageReader(StorageReader):
     travels with them, so every rank reads that commit (``resolved_root`` names it after
     ``read_metadata``).
 
-    After a load, ``entries`` maps every checkpoint key to its :class:`TensorEntry`, ``stats``
+    After a load, ``entries`` maps every checkpoint key to its
+    :class:`~hp_dcp_hf.storage.catalog.CheckpointTensor` (its parts: where its bytes are), ``stats``
     counts what was read (reset by :meth:`reset`) and ``staging`` what went through the staging
     ring (:class:`~hp_dcp_hf.storage.ring.StagingStats`, of the last ``read_data``).
     """
@@ -234,7 +241,7 @@ class HFStorageReader(StorageReader):
             self._fs, self._fspath = filesystem(
                 self.path, self.storage_options, retry=self.retry, concurrency=self.num_threads
             )
-        self.entries: dict[str, TensorEntry] = {}
+        self.entries: dict[str, CheckpointTensor] = {}
         self.stats = ReadStats()
         self.load_id = str(uuid.uuid4())
         self.metadata_error: Exception | None = None
@@ -309,7 +316,8 @@ class HFStorageReader(StorageReader):
         return scan(location, single_file, self.stats, self.num_threads)
 
     def read_metadata(self) -> Metadata:
-        """One whole-tensor chunk per checkpoint key, read once on rank 0 when in a process group.
+        """One whole-tensor chunk per checkpoint key (stored whole or in chunks), read once on rank 0
+        when in a process group.
 
         An error is also kept in ``metadata_error``: torch's ``dcp.load`` turns exceptions of
         ``read_metadata`` into an ``AssertionError`` carrying only their text.
@@ -341,16 +349,17 @@ class HFStorageReader(StorageReader):
         self.cooperating = self.cooperates(dist.get_world_size() if should_broadcast() else 1)
         self.entries = dict(catalog.entries)
         state_dict_metadata: dict[str, Any] = {}
-        storage_data: dict[MetadataIndex, TensorEntry] = {}
-        for key, entry in self.entries.items():
-            origin = torch.Size([0] * len(entry.shape))
+        storage_data: dict[MetadataIndex, CheckpointTensor] = {}
+        for key, tensor in self.entries.items():
+            origin = torch.Size([0] * len(tensor.shape))
+            # The whole tensor as one chunk, however it is stored: planners read boxes of it.
             state_dict_metadata[key] = TensorStorageMetadata(
-                properties=TensorProperties(dtype=entry.dtype),
-                size=torch.Size(entry.shape),
-                chunks=[ChunkStorageMetadata(offsets=origin, sizes=torch.Size(entry.shape))],
+                properties=TensorProperties(dtype=tensor.dtype),
+                size=torch.Size(tensor.shape),
+                chunks=[ChunkStorageMetadata(offsets=origin, sizes=torch.Size(tensor.shape))],
             )
             # DCP's planners look chunks up as MetadataIndex(fqn, chunk offsets).
-            storage_data[MetadataIndex(key, origin)] = entry
+            storage_data[MetadataIndex(key, origin)] = tensor
         return Metadata(
             state_dict_metadata=state_dict_metadata,
             # The planner needs it to read quantized tensors as their values (see mapping.quantized).
@@ -518,21 +527,29 @@ class HFStorageReader(StorageReader):
         return dest
 
     def _chunks(self, index: int, item: ReadItem, dest: torch.Tensor, budget: int) -> list[_Chunk]:
+        """The item's box split by the files that hold it, each piece cut to ``budget``."""
         key = item.storage_index.fqn
-        entry = self.entries.get(key)
-        if entry is None:
+        tensor = self.entries.get(key)
+        if tensor is None:
             raise PlanningError("the plan reads a key the checkpoint does not have", file=self.path, key=key)
         box = Box(tuple(item.storage_offsets), tuple(item.lengths))
-        if box.ndim != len(entry.shape) or not Box.full(entry.shape).contains(box):
+        if box.ndim != len(tensor.shape) or not Box.full(tensor.shape).contains(box):
             raise PlanningError(
-                f"read box {box} is outside the tensor of shape {entry.shape}", file=entry.file, key=key
+                f"read box {box} is outside the tensor of shape {tensor.shape}",
+                file=self.path if tensor.chunked else tensor.file,
+                key=key,
             )
         if box.is_empty():
             return []
-        return [
-            _Chunk(item=index, entry=entry, box=part, dest=dest[part.relative_to(box.offsets).slices()])
-            for part in split_box(box, entry.itemsize, budget, entry.shape)
-        ]
+        chunks = []
+        for entry, piece in tensor.pieces(box):
+            local = piece.relative_to(entry.box.offsets)  # the piece in the stored tensor's coordinates
+            view = dest[piece.relative_to(box.offsets).slices()]
+            chunks.extend(
+                _Chunk(item=index, entry=entry, box=part, dest=view[part.relative_to(local.offsets).slices()])
+                for part in split_box(local, entry.itemsize, budget, entry.shape)
+            )
+        return chunks
 
     def _read_batch(
         self,
