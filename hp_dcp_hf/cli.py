@@ -23,6 +23,7 @@ Errors print one line (``hp-dcp-hf: error: ...``) and exit 1; ``--debug`` shows 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -34,8 +35,8 @@ from typing import Any
 
 PROG = "hp-dcp-hf"
 
-DTYPE_CHOICES = ("bf16", "bfloat16", "float16", "float32", "fp16", "fp32")
-"""``--dtype`` values (:func:`hp_dcp_hf.toolkit.torch_dtype` turns them into torch dtypes)."""
+DTYPE_CHOICES = ("auto", "bf16", "bfloat16", "float16", "float32", "fp16", "fp32")
+"""``--dtype`` values (:mod:`hp_dcp_hf.model_dtype`: ``auto`` takes the config's, as transformers 5 does)."""
 
 TRANSFORMS = ("fuse_gate_up", "fuse_qkv", "grouped_gemm_experts")
 """The rewrites of :mod:`hp_dcp_hf.transforms`, listed by ``--help`` without importing them (a test
@@ -176,13 +177,13 @@ def _init_distributed() -> tuple[int, int]:
 def _check_launch(args: argparse.Namespace, mesh: str, rank: int, world: int) -> bool:
     """Whether the mesh fits the processes launched. When it does not, rank 0 raises the error
     naming the ``torchrun`` command that fits (printed once) and the other ranks return ``False``."""
-    from hp_dcp_hf.parallel.mesh import mesh_world_size
+    from hp_dcp_hf.parallel.mesh import MeshSizeError, mesh_world_size
 
     try:
         need = mesh_world_size(mesh)
         if need != world:
             argv = getattr(args, "argv", None) or ["load", args.path, "--mesh", mesh]
-            raise ValueError(
+            raise MeshSizeError(
                 f"mesh {mesh} needs {need} ranks, but {world} process{'es were' if world != 1 else ' was'} "
                 f"launched; launch with `torchrun --nproc-per-node {need} -m hp_dcp_hf {shlex.join(argv)}`"
             )
@@ -204,7 +205,6 @@ def cmd_load(args: argparse.Namespace) -> int:
         parallelize_for,
         progress_planner,
         table,
-        torch_dtype,
     )
 
     rank, world = _launched_rank_and_world()
@@ -217,7 +217,7 @@ def cmd_load(args: argparse.Namespace) -> int:
         reader = RecordingReader(args.path, **_reader_options(args))
         start = time.perf_counter()
         model, report = from_pretrained(
-            args.path, dtype=torch_dtype(args.dtype), transforms=_transforms(args.transforms),
+            args.path, dtype=args.dtype, transforms=_transforms(args.transforms),
             parallelize=parallelize, loader=args.loader, strict=not args.no_strict, reader=reader,
             planner_cls=progress_planner(rank == 0),
         )
@@ -250,6 +250,10 @@ def cmd_load(args: argparse.Namespace) -> int:
         }
         rows: list[dict[str, Any]] = [{}] * world
         dist.all_gather_object(rows, row)
+    except Exception as error:
+        if world > 1 and getattr(error, "rank", None) is not None:
+            _say_once(error, rank)
+        raise
     finally:
         dist.destroy_process_group()
     if rank != 0:
@@ -282,16 +286,29 @@ def cmd_load(args: argparse.Namespace) -> int:
     return 0
 
 
+def _say_once(error: Exception, rank: int) -> None:
+    """An error every rank raises (``error.rank`` is the rank it came from) is printed by rank 0
+    alone. The others wait for that at a barrier: torchrun ends the job when the first rank exits."""
+    import torch.distributed as dist
+
+    if rank == 0:
+        where = "" if "on rank " in str(error) else f"on rank {error.rank}: "  # type: ignore[attr-defined]
+        print(f"{PROG}: error: {where}{_one_line(error)}", file=sys.stderr, flush=True)
+    error.reported = True  # type: ignore[attr-defined]
+    with contextlib.suppress(Exception):  # a process group broken by the failure: nothing to wait for
+        dist.barrier()
+
+
 def _save_dtype(choice: str, entries: Any) -> Any:
     """The dtype ``--save-to`` writes: ``checkpoint`` is the one floating-point dtype of the
     checkpoint's unquantized tensors (a bf16 checkpoint saves back as bf16 whatever ``--dtype``
     loaded it as; a mixed or quantized one keeps the model's dtypes), ``model`` the model's."""
-    from hp_dcp_hf.toolkit import torch_dtype
+    from hp_dcp_hf.model_dtype import parse_dtype
 
     if choice == "model":
         return None
     if choice != "checkpoint":
-        return torch_dtype(choice)
+        return parse_dtype(choice)
     from hp_dcp_hf.storage.dtypes import lookup_dtype
 
     dtypes = {lookup_dtype(e.dtype_name, file=e.file, key=e.key).torch_dtype for e in entries}
@@ -367,7 +384,8 @@ def build_parser() -> argparse.ArgumentParser:
             mesh_help += " (default: dp=<number of processes launched>)"
         p.add_argument("--mesh", default=mesh_default, help=mesh_help)
         p.add_argument("--transforms", default="", help=transforms_help + " (default: none)")
-        p.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES, help="the model's dtype")
+        p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                       help="the model's dtype; auto: config.json's dtype, as transformers 5's from_pretrained")
         p.add_argument("--no-strict", action="store_true", help="missing model tensors are not an error")
         p.add_argument("--coalesce-gap", type=int, default=None, metavar="BYTES",
                        help="reader: merge ranges at most this far apart (default: 0 local, 1 MiB remote; "
@@ -395,7 +413,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "published atomically)")
     p.add_argument("--max-shard-size", default=None,
                    help="with --save-to: the file size limit (default: save_pretrained's)")
-    p.add_argument("--save-dtype", default="checkpoint", choices=("checkpoint", "model", *DTYPE_CHOICES),
+    p.add_argument("--save-dtype", default="checkpoint", choices=("checkpoint", "model", *DTYPE_CHOICES[1:]),
                    help="with --save-to: checkpoint writes the checkpoint's floating-point dtype (a bf16 "
                         "checkpoint saves back byte for byte), model the model's (--dtype)")
     p.set_defaults(func=cmd_load)
@@ -444,7 +462,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as error:
         if getattr(args, "debug", False):
             raise
-        print(f"{PROG}: error: {_one_line(error)}", file=sys.stderr)
+        if not getattr(error, "reported", False):
+            print(f"{PROG}: error: {_one_line(error)}", file=sys.stderr)
         return 1
 
 

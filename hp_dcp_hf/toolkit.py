@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hp_dcp_hf.errors import QuantizationError
+from hp_dcp_hf.model_dtype import AUTO, DtypeSpec, resolve_dtype
 from hp_dcp_hf.parallel.cooperation import COOPERATE
 from hp_dcp_hf.parallel.mesh import mesh_world_size, parse_mesh
 from hp_dcp_hf.parallel.replicas import ReplicaGroups, mesh_coordinates
@@ -46,21 +47,7 @@ __all__ = [
     "plan_ranks",
     "progress_planner",
     "table",
-    "torch_dtype",
 ]
-
-_DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-
-
-def torch_dtype(name: str | torch.dtype) -> torch.dtype:
-    """``"bf16"`` / ``"bfloat16"`` / ``torch.bfloat16`` -> ``torch.bfloat16``."""
-    if isinstance(name, torch.dtype):
-        return name
-    dtype = getattr(torch, _DTYPE_ALIASES.get(name, name), None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r}")
-    return dtype
-
 
 # -- formatting ---------------------------------------------------------------------------------
 
@@ -218,7 +205,7 @@ def plan_ranks(
     mesh: str | Mapping[str, int],
     *,
     transforms: Sequence[str] = (),
-    dtype: str | torch.dtype = torch.float32,
+    dtype: DtypeSpec = AUTO,
     strict: bool = True,
     with_items: bool = False,
     **reader_options: Any,
@@ -240,10 +227,10 @@ def plan_ranks(
     _register_fake_backend()
     sizes = parse_mesh(mesh)
     world = mesh_world_size(sizes)
-    dtype = torch_dtype(dtype)
     reader = HFStorageReader(path, **reader_options)
     metadata = reader.read_metadata()
     config = read_config(path, reader.storage_options)
+    dtype = resolve_dtype(dtype, config, lambda: (md.properties.dtype for md in metadata.state_dict_metadata.values()))
     model_cls = resolve_model_class(config)
     cooperate = reader.cooperates(world)
     every = None

@@ -332,7 +332,7 @@ def _real_load(rank: int, world: int, cases: dict) -> dict:
     for name, (path, transforms, options) in cases.items():
         reader = RecordingReader(path, **options)
         parallelize = parallelize_for(MESH)
-        _, report = from_pretrained(path, transforms=transforms, parallelize=parallelize, reader=reader)
+        _, report = from_pretrained(path, dtype=torch.float32, transforms=transforms, parallelize=parallelize, reader=reader)
         stats = reader.stats.total()
         out[name] = {"bytes_needed": report.plan.bytes_needed, "bytes_to_read": stats.bytes_read,
                      "ranges": stats.ranges, "requests": stats.requests, "reads": sorted(reader.reads),
@@ -401,14 +401,14 @@ def test_load_save_to_writes_the_checkpoint_back(capsys, llama, tmp_path):
 
 
 def test_load_save_to_keeps_the_checkpoint_s_dtype(capsys, llama, tmp_path):
-    """A bf16 checkpoint loaded into the default float32 model saves back as bf16: every file's
-    bytes are the checkpoint's but for the save id in the headers; ``--save-dtype model`` writes
-    float32 and says so in config.json."""
+    """A bf16 checkpoint loaded into a float32 model saves back as bf16: every file's bytes are the
+    checkpoint's but for the save id in the headers; ``--save-dtype model`` writes float32 and says
+    so in config.json."""
     from tests.conftest import DEFAULT_SHARD_SIZE
     from tests.test_save import SAVE_ID_KEY, anonymized
 
-    code, _, err = _run_cli(capsys, "load", str(llama.path), "--save-to", str(tmp_path / "saved"),
-                            "--max-shard-size", str(DEFAULT_SHARD_SIZE))
+    code, _, err = _run_cli(capsys, "load", str(llama.path), "--dtype", "float32", "--save-to",
+                            str(tmp_path / "saved"), "--max-shard-size", str(DEFAULT_SHARD_SIZE))
     assert code == 0, err
     theirs = {p.name: p.read_bytes() for p in llama.path.iterdir()}
     ours = {p.name: p.read_bytes() for p in (tmp_path / "saved").iterdir()}
@@ -423,8 +423,8 @@ def test_load_save_to_keeps_the_checkpoint_s_dtype(capsys, llama, tmp_path):
             assert data[8 + int.from_bytes(data[:8], "little"):] == original[8 + length:]  # tensor bytes
         elif name != "model.safetensors.index.json":
             assert data == theirs[name], name
-    code, _, err = _run_cli(capsys, "load", str(llama.path), "--save-to", str(tmp_path / "fp32"), "--save-dtype",
-                            "model")
+    code, _, err = _run_cli(capsys, "load", str(llama.path), "--dtype", "float32", "--save-to", str(tmp_path / "fp32"),
+                            "--save-dtype", "model")
     assert code == 0, err
     assert json.loads((tmp_path / "fp32" / "config.json").read_text())["dtype"] == "float32"
 
