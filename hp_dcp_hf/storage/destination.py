@@ -25,7 +25,7 @@ import shutil
 import socket
 import struct
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -136,9 +136,10 @@ class Destination(ABC):
 
     @abstractmethod
     def write(self, staged: Staged, files: Sequence[SavedFile], writes: Sequence[BoxWrite], staging_bytes: int,
-              failure: BaseException | None = None) -> list[int]:
+              failure: BaseException | None = None, *, progress: Callable[[int], None] | None = None) -> list[int]:
         """Write every box of ``writes``; the tensor bytes of each. Every rank calls it, also after
-        failing to prepare its writes (``failure``, raised here once the other ranks know)."""
+        failing to prepare its writes (``failure``, raised here once the other ranks know).
+        ``progress(nbytes)`` is told the bytes of each box (or part of one) as they are written."""
 
     def publish(self, staged: Staged, files: Sequence[SavedFile], extra_files: Mapping[str, str],
                 index: Mapping[str, Any] | None) -> None:
@@ -407,7 +408,7 @@ class Directory(Destination):
         return {file.name: f"{STAGING_PREFIX}{save_id}/{file.name}" for file in files}
 
     def write(self, staged: Staged, files: Sequence[SavedFile], writes: Sequence[BoxWrite], staging_bytes: int,
-              failure: BaseException | None = None) -> list[int]:
+              failure: BaseException | None = None, *, progress: Callable[[int], None] | None = None) -> list[int]:
         if failure is not None:  # no other rank waits for this one's bytes
             raise failure
         handles: dict[str, int] = {}
@@ -423,6 +424,8 @@ class Directory(Destination):
                         raise OSError(f"short write of {write.tensor.key}")
                     total += len(run)
                 written.append(total)
+                if progress is not None:
+                    progress(total)
             for fd in handles.values():
                 os.fsync(fd)
         except OSError as e:

@@ -30,7 +30,7 @@ import threading
 import time
 import warnings
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -194,7 +194,8 @@ class MultipartUploads(Destination):
         return self._gloo, dist.get_rank(), dist.get_world_size()
 
     def write(self, staged: Staged, files: Sequence[SavedFile], writes: Sequence[BoxWrite],
-              staging_bytes: int, failure: BaseException | None = None) -> list[int]:
+              staging_bytes: int, failure: BaseException | None = None, *,
+              progress: Callable[[int], None] | None = None) -> list[int]:
         group, rank, world = self._group()
         headers = {f.name: f.header for f in files}
         spans = [w.span() for w in writes]
@@ -207,7 +208,7 @@ class MultipartUploads(Destination):
                 sends: list[list[Run]] = [[] for _ in range(world)]
                 if error is None:
                     try:
-                        self._route(owned, writes, spans, written, sends, staging_bytes)
+                        self._route(owned, writes, spans, written, sends, staging_bytes, progress)
                     except Exception as e:  # noqa: BLE001 - every failure reaches every rank
                         error, sends = e, [[] for _ in range(world)]
                 self.bytes_sent += sum(len(r) for owner, runs in enumerate(sends) if owner != rank for _, r in runs)
@@ -231,8 +232,10 @@ class MultipartUploads(Destination):
         return written
 
     def _route(self, owned: Sequence[tuple[int, Part]], writes: Sequence[BoxWrite], spans: Sequence[tuple[int, int]],
-               written: list[int], sends: list[list[Run]], staging_bytes: int) -> None:
-        """Cut the runs of ``writes`` inside this round's parts into ``sends[owner]``."""
+               written: list[int], sends: list[list[Run]], staging_bytes: int,
+               progress: Callable[[int], None] | None = None) -> None:
+        """Cut the runs of ``writes`` inside this round's parts into ``sends[owner]``; ``progress`` is
+        told the bytes of each box routed (the part owners upload them as the rounds go)."""
         by_file: dict[str, list[tuple[int, Part]]] = {}
         for owner, part in owned:
             by_file.setdefault(part.file, []).append((owner, part))
@@ -244,6 +247,7 @@ class MultipartUploads(Destination):
             if spans[i][1] <= window[0] or spans[i][0] >= window[1]:
                 continue
             starts = [part.start for _, part in in_file]
+            before = written[i]
             for offset, run in box_runs(write, staging_bytes, window):
                 written[i] += len(run)
                 k = bisect.bisect_right(starts, offset) - 1
@@ -252,6 +256,8 @@ class MultipartUploads(Destination):
                     take = min(len(run), part.end - offset)
                     sends[owner].append((offset - part.start, run[:take]))
                     run, offset, k = run[take:], offset + take, k + 1
+            if progress is not None and written[i] > before:
+                progress(written[i] - before)
 
     def upload(self, staged: Staged, part: Part, data: torch.Tensor) -> None:
         self._call("upload_part", staged.names[part.file], UploadId=staged.handles[part.file], PartNumber=part.number,

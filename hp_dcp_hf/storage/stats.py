@@ -22,7 +22,9 @@ class FileStats:
     ranges: int = 0
     """Contiguous byte ranges the plan asked for, before coalescing."""
     requests: int = 0
-    """Read requests issued for tensor payload, after coalescing."""
+    """Read requests issued for tensor payload, after coalescing. Reads copied out of a memory mapping
+    of a local file issue none: for them it counts the contiguous runs copied (ranges that touch
+    merged), the figure their requests would be with ``map_local_files=False`` and no gap."""
     header_bytes: int = 0
     """Bytes of headers (8-byte length prefix + JSON) and of the index file read."""
     header_requests: int = 0

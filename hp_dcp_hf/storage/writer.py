@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import fsspec
@@ -61,7 +63,10 @@ class HFStorageWriter(StorageWriter):
     tensors to it on write (default: each tensor's own dtype); ``config.json`` names the dtype the
     files hold. ``staging_bytes``: the most memory a rank uses at once to cast and lay out a box
     before writing it. ``part_bytes``: the part size of S3 uploads (at least 5 MiB).
-    ``lease_seconds``: how long an S3 save's lease on its prefix lasts unrenewed.
+    ``lease_seconds``: how long an S3 save's lease on its prefix lasts unrenewed. ``progress``: called
+    as ``progress(done, total)`` with this rank's tensor bytes written so far and in all, when its
+    writes start and after each box (one call at a time; ``bytes_written`` counts along), so a
+    long save can show it moves.
     """
 
     def __init__(
@@ -73,10 +78,13 @@ class HFStorageWriter(StorageWriter):
         staging_bytes: int = 64 * 2**20,
         part_bytes: int = DEFAULT_PART_BYTES,
         lease_seconds: float = LEASE_SECONDS,
+        progress: Callable[[int, int], None] | None = None,
         **storage_options: Any,
     ) -> None:
         super().__init__()
         self.lease_seconds = lease_seconds
+        self.progress = progress
+        self._written_lock = threading.Lock()
         self.max_shard_size = max_shard_size
         self.dtype = dtype
         self.staging_bytes = staging_bytes
@@ -97,6 +105,7 @@ class HFStorageWriter(StorageWriter):
         self.save_id: str | None = None
         self.staged: Staged | None = None
         self.bytes_written = 0
+        self._bytes_to_write = 0
         self.is_coordinator = False
 
     @property
@@ -165,12 +174,21 @@ class HFStorageWriter(StorageWriter):
                 writes.append(BoxWrite(tensor, box, planner.resolve_data(item)))
         except Exception as e:  # noqa: BLE001 - the destination raises it, once the other ranks know
             writes, failure = [], e
-        sizes = self.destination.write(staged, self.files, writes, self.staging_bytes, failure)
+        self.bytes_written, self._bytes_to_write = 0, sum(w.box.numel * w.tensor.dtype.itemsize for w in writes)
+        self._wrote(0)
+        sizes = self.destination.write(staged, self.files, writes, self.staging_bytes, failure, progress=self._wrote)
         self.bytes_written = sum(sizes)
         future: Future[list[WriteResult]] = Future()
         future.set_result([WriteResult(index=item.index, size_in_bytes=size, storage_data=None)
                            for item, size in zip(plan.items, sizes)])
         return future
+
+    def _wrote(self, nbytes: int) -> None:
+        """The destination wrote ``nbytes`` more of this rank's boxes."""
+        with self._written_lock:
+            self.bytes_written += nbytes
+            if self.progress is not None:
+                self.progress(self.bytes_written, self._bytes_to_write)
 
     # -- commit ---------------------------------------------------------------------------------
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
