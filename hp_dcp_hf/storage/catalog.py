@@ -208,11 +208,16 @@ class Catalog:
     quantization_config: Mapping[str, Any] | None = None
 
     def to_json(self) -> bytes:
+        """Every tensor as ``[key, dtype, shape, parts]``, a part as ``[file, data_start, nbytes]``
+        plus, for a chunk, ``shape, offsets`` (a whole tensor's part repeats nothing: the payload of
+        an ordinary checkpoint stays as small as it was)."""
+
+        def part(p: TensorEntry) -> list[Any]:
+            placed = [] if p.offsets is None else [list(p.shape), list(p.offsets)]
+            return [p.file, p.data_start, p.nbytes, *placed]
+
         entries = [
-            [t.key, t.dtype_name, list(t.shape),
-             [[p.file, list(p.shape), p.data_start, p.nbytes, None if p.offsets is None else list(p.offsets)]
-              for p in t.parts]]
-            for t in self.entries.values()
+            [t.key, t.dtype_name, list(t.shape), [part(p) for p in t.parts]] for t in self.entries.values()
         ]
         versions = {file: version.to_json() for file, version in self.versions.items()}
         return json.dumps(
@@ -227,10 +232,12 @@ class Catalog:
         entries = {}
         for key, name, shape, parts in data["entries"]:
             dtype = lookup_dtype(name, key=key).torch_dtype
-            entries[key] = CheckpointTensor(key, name, dtype, tuple(shape), tuple(
-                TensorEntry(key, file, name, dtype, tuple(size), start, n, None if at is None else tuple(at))
-                for file, size, start, n, at in parts
-            ))
+            stored = []
+            for file, start, nbytes, *placed in parts:
+                size, offsets = placed or (shape, None)
+                at = None if offsets is None else tuple(offsets)
+                stored.append(TensorEntry(key, file, name, dtype, tuple(size), start, nbytes, at))
+            entries[key] = CheckpointTensor(key, name, dtype, tuple(shape), tuple(stored))
         versions = {file: FileVersion.from_json(value) for file, value in data.get("versions", {}).items()}
         return cls(data["root"], tuple(data["files"]), entries, versions, data.get("quantization_config"))
 
