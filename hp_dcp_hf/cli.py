@@ -1,9 +1,14 @@
 """``hp-dcp-hf``: inspect a checkpoint, plan every rank's reads, load under torchrun, run the demo.
 
-    hp-dcp-hf inspect PATH [--json]
+    hp-dcp-hf inspect PATH [--tensors] [--match REGEX] [--json]
     hp-dcp-hf plan PATH --mesh dp=2,tp=2 [--transforms fuse_qkv,...] [--items] [--json]
     torchrun --nproc-per-node 4 -m hp_dcp_hf load PATH --mesh dp=2,tp=2 [--forward] [--json]
+    hp-dcp-hf repair PATH
     hp-dcp-hf demo [--out DIR] [--cache-dir DIR]
+
+Every command that takes a checkpoint PATH takes ``--storage-option KEY=VALUE`` (repeatable): the
+options of the store (s3fs, fsspec HTTP, the Hub), so endpoints and credentials need no
+environment variables.
 
 This module is argument parsing, command dispatch and printing; the work is done by
 :mod:`hp_dcp_hf.toolkit` (inspection, the no-process-group planning of every rank, the layout every
@@ -18,20 +23,29 @@ ReadItems; the requests are those :class:`HFStorageReader` issues for them (same
 staging budget).
 
 Errors print one line (``hp-dcp-hf: error: ...``) and exit 1; ``--debug`` shows the traceback.
+While a command runs, the package's warnings and log records print one line each on stderr
+(``hp-dcp-hf: warning: ...``), and ``load`` names its stages and its progress on rank 0.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
+import logging
 import os
+import posixpath
+import re
 import shlex
 import sys
 import time
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict
 from typing import Any
+
+from hp_dcp_hf import __version__
 
 PROG = "hp-dcp-hf"
 
@@ -52,18 +66,166 @@ def _transforms(spec: str | None) -> tuple[str, ...]:
 
 def _reader_options(args: argparse.Namespace) -> dict[str, Any]:
     return {"coalesce_gap": args.coalesce_gap, "num_threads": args.threads, "staging_bytes": args.staging_mib * 2**20,
-            "map_local_files": not args.no_map, "replicas": args.replicas}
+            "map_local_files": not args.no_map, "replicas": args.replicas, "storage_options": args.storage_options}
+
+
+# -- storage options ---------------------------------------------------------------------------
+
+
+def parse_storage_option(text: str) -> tuple[tuple[str, ...], Any]:
+    """``KEY=VALUE`` -> ``(key path, value)``: the key split at its dots (``client_kwargs.endpoint_url``
+    is ``("client_kwargs", "endpoint_url")``: s3fs and fsspec's HTTP take nested dicts), the value
+    parsed as JSON where it is JSON (``true``, ``10``, ``{...}``), else the string itself. A
+    ``ValueError`` names what is wrong."""
+    key, equals, raw = text.partition("=")
+    path = tuple(key.split("."))
+    if not equals or not all(path):
+        raise ValueError(f"{text!r} is not KEY=VALUE (nested keys with dots: client_kwargs.endpoint_url=URL)")
+    try:
+        return path, json.loads(raw)
+    except json.JSONDecodeError:
+        return path, raw
+
+
+def add_storage_option(options: dict[str, Any], text: str) -> dict[str, Any]:
+    """A copy of ``options`` with ``KEY=VALUE`` set (:func:`parse_storage_option`); a later option
+    replaces an earlier value, except that objects merge key by key (``headers.A=1`` then
+    ``headers={"B": "2"}`` keeps both). A key under a value that is not an object is a ``ValueError``."""
+    path, value = parse_storage_option(text)
+    out = json.loads(json.dumps(options))  # a deep copy: options are JSON values
+    _set_option(out, path, value, text)
+    return out
+
+
+def _set_option(node: dict[str, Any], path: tuple[str, ...], value: Any, text: str) -> None:
+    for depth, key in enumerate(path[:-1]):
+        node = node.setdefault(key, {})
+        if not isinstance(node, dict):
+            raise ValueError(f"{text!r}: {'.'.join(path[:depth + 1])} is {json.dumps(node)} already, not an object")
+    leaf = path[-1]
+    if isinstance(value, dict) and isinstance(node.get(leaf), dict):
+        for key, item in value.items():
+            _set_option(node[leaf], (key,), item, text)
+    else:
+        node[leaf] = value
+
+
+class _StorageOptions(argparse.Action):
+    """Gathers repeated ``--storage-option KEY=VALUE`` into one dict; a malformed one is a usage error."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        try:
+            setattr(namespace, self.dest, add_storage_option(getattr(namespace, self.dest) or {}, values))
+        except ValueError as error:
+            parser.error(f"argument {option_string}: {error}")
+
+
+# -- what the commands print besides their results -----------------------------------------------
+
+_INFO_LOGGERS = ("hp_dcp_hf.pipeline", "hp_dcp_hf.toolkit")
+"""The loggers whose INFO records rank 0 prints: the stages before a load, progress lines."""
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _message_line(message: str, level: int, rank: int) -> str:
+    """``hp-dcp-hf: [rank N: ][warning: ]message``, on one line."""
+    where = f"rank {rank}: " if rank else ""
+    kind = f"{logging.getLevelName(level).lower()}: " if level >= logging.WARNING else ""
+    return f"{PROG}: {where}{kind}{' '.join(message.split())}"
+
+
+class _Lines(logging.Handler):
+    """Prints the ``hp_dcp_hf`` loggers' records on stderr, one line each: WARNING and above on
+    every rank, INFO of :data:`_INFO_LOGGERS` on rank 0."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__(logging.INFO if rank == 0 else logging.WARNING)
+        self.rank = rank
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING or record.name in _INFO_LOGGERS
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            line = _message_line(record.getMessage(), record.levelno, self.rank)
+        except Exception:  # noqa: BLE001 - logging's own policy for a record that does not format
+            self.handleError(record)
+            return
+        print(line, file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def _messages(rank: int = 0) -> Iterator[None]:
+    """While a command runs: the package's log records through :class:`_Lines` (not propagated to
+    the root logger's handlers), and Python warnings raised from its modules as one line each,
+    without the ``file.py:NNN: UserWarning`` prefix and source line Python adds."""
+    logger = logging.getLogger("hp_dcp_hf")
+    handler = _Lines(rank)
+    level, propagate, showwarning = logger.level, logger.propagate, warnings.showwarning
+
+    def show(message: Warning | str, category: type[Warning], filename: str, lineno: int, file: Any = None,
+             line: str | None = None) -> None:
+        if os.path.abspath(filename).startswith(_PACKAGE_DIR + os.sep):
+            print(_message_line(str(message), logging.WARNING, rank), file=sys.stderr, flush=True)
+        else:
+            showwarning(message, category, filename, lineno, file, line)
+
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = showwarning
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        logger.propagate = propagate
+
+
+def _with_messages(command: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """``command`` under :func:`_messages` (one process: rank 0)."""
+
+    @functools.wraps(command)
+    def run(args: argparse.Namespace) -> int:
+        with _messages():
+            return command(args)
+
+    return run
+
+
+@contextlib.contextmanager
+def _config_from_the_command_line() -> Iterator[None]:
+    """The pipeline's error for a checkpoint without ``config.json`` names a Python argument
+    (``from_pretrained(..., config=)``); on the command line the fix is the path."""
+    from hp_dcp_hf.errors import CheckpointNotFoundError
+
+    try:
+        yield
+    except CheckpointNotFoundError as error:
+        if posixpath.basename(error.file or "") != "config.json":
+            raise
+        raise CheckpointNotFoundError(
+            "no config.json next to the weights, and plan and load build the model from it: point PATH at "
+            "the checkpoint's directory that holds its config.json (as save_pretrained writes it), or put the "
+            "model's config.json there", file=error.file) from error
 
 
 # -- inspect -----------------------------------------------------------------------------------
 
 
+@_with_messages
 def cmd_inspect(args: argparse.Namespace) -> int:
     from hp_dcp_hf.toolkit import fmt_bytes, inspect_checkpoint, table
 
-    info = inspect_checkpoint(args.path)
+    info = inspect_checkpoint(args.path, args.storage_options)
+    listed = info.pop("tensor_list")
+    if args.match is not None:
+        listed = [t for t in listed if args.match.search(t["name"])]
     if args.json:
-        print(json.dumps(info, indent=2))
+        print(json.dumps(info | ({"tensor_list": listed} if args.tensors or args.match else {}), indent=2))
         return 0
     print(f"checkpoint {info['path']}")
     if info["config"]:
@@ -81,27 +243,47 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     elif quantized:
         print(f"quantized  {quantized['format']}: {quantized['weights']} weights ({fmt_bytes(quantized['weight_bytes'])}) "
               f"with their scales ({fmt_bytes(quantized['scale_bytes'])}); a floating-point model gets their values")
+    print(f"index      {_index_line(info)}")
+    if listed and (args.tensors or args.match):
+        print(table(("tensor", "dtype", "shape", "file", "bytes"),
+                    [(t["name"], t["dtype"], str(t["shape"]), t.get("file") or f"{len(t['chunks'])} chunks",
+                      fmt_bytes(t["bytes"])) for t in listed]))
+    if args.match:
+        print(f"{len(listed)} of {info['tensors']} tensors match {args.match.pattern}")
+    return 0
+
+
+def _index_line(info: dict[str, Any]) -> str:
+    """What ``inspect`` says of the checkpoint's index: what it lists, or what is read without one."""
     index = info["index"]
     if index["file"]:
-        line = f"index      {index['file']}: {index['keys']} keys in {len(info['files'])} files, consistent with the headers"
+        line = f"{index['file']}: {index['keys']} keys in {len(info['files'])} files, consistent with the headers"
         if index["unlisted_files"]:
             line += f"; WARNING: safetensors files the index does not list: {', '.join(index['unlisted_files'])}"
-        print(line)
-    else:
-        print("index      none (every .safetensors file of the directory is read)")
-    return 0
+        return line
+    if index["single_file"]:
+        line = f"none: PATH is one file, {index['single_file']}, and only it is read"
+        if index["directory_has_index"]:
+            line += (f"; its directory has model.safetensors.index.json: the directory ({info['root']}) is the "
+                     "checkpoint, pass it to read every shard")
+        return line
+    if index["model_safetensors_alone"]:
+        return "none: model.safetensors is read, alone (as transformers reads it first)"
+    return "none: every .safetensors file of the directory is read"
 
 
 # -- plan --------------------------------------------------------------------------------------
 
 
+@_with_messages
 def cmd_plan(args: argparse.Namespace) -> int:
     from hp_dcp_hf.toolkit import RankPlan, fmt_bytes, plan_ranks, table
 
-    result = plan_ranks(
-        args.path, args.mesh, transforms=_transforms(args.transforms), dtype=args.dtype,
-        strict=not args.no_strict, with_items=args.items, **_reader_options(args),
-    )
+    with _config_from_the_command_line():
+        result = plan_ranks(
+            args.path, args.mesh, transforms=_transforms(args.transforms), dtype=args.dtype,
+            strict=not args.no_strict, unexpected=args.unexpected, with_items=args.items, **_reader_options(args),
+        )
     ranks: list[RankPlan] = result["ranks"]
     if args.json:
         out = dict(result)
@@ -114,10 +296,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
           + (f", transforms {','.join(result['transforms'])}" if result["transforms"] else ""))
     for line in result["layout"]:
         print(f"  layout: {line}")
+    if result["unexpected"]:
+        print(f"  unexpected: {_unexpected_line(result['unexpected'])}")
     rows = [(r.rank, ",".join(map(str, r.coordinate)), r.targets, r.read_items, fmt_bytes(r.bytes_needed),
              fmt_bytes(r.bytes_to_read), r.ranges, r.requests,
              f"{r.deferred_targets} ({fmt_bytes(r.deferred_bytes)})") for r in ranks]
-    header = ("rank", "coord", "targets", "items", "bytes needed", "bytes to read", "ranges", "requests", "deferred")
+    coordinate = f"coord ({','.join(result['coordinate_dims'])})" if result["coordinate_dims"] else "coord"
+    header = ("rank", coordinate, "targets", "items", "bytes needed", "bytes to read", "ranges",
+              _requests_column(result["mapped"]), "deferred")
     if result["quantization"]:
         print(f"  quantized checkpoint ({result['quantization']}): read as values, weight boxes with their scale blocks")
         rows = [(*row, fmt_bytes(r.quantized_bytes), fmt_bytes(r.scale_bytes)) for row, r in zip(rows, ranks)]
@@ -126,6 +312,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         rows = [(*row, fmt_bytes(r.bytes_from_peers), fmt_bytes(r.bytes_to_peers)) for row, r in zip(rows, ranks)]
         header = (*header, "from peers", "to peers")
     print(table(header, rows))
+    if result["mapped"]:
+        print(_RUNS_NOTE)
     total = sum(r.bytes_to_read for r in ranks)
     needed = sum(r.bytes_needed for r in ranks)
     checkpoint = max(1, result["checkpoint_bytes"])
@@ -136,9 +324,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         exchanged = sum(r.bytes_from_peers for r in ranks)
         print(f"replicas read their shared shards once and exchange {fmt_bytes(exchanged)} "
               f"({exchanged / checkpoint:.2f}x the checkpoint) over the process group")
-    else:
-        print(f"replicas read the same shards ({needed / checkpoint:.2f}x the checkpoint); --replicas always "
-              "splits them (the default, auto, does on remote stores)")
+    elif needed > result["checkpoint_bytes"]:  # some bytes are needed by several ranks: replicas
+        print(f"replicas read the same shards ({needed / checkpoint:.2f}x the checkpoint, "
+              f"{fmt_bytes(needed - result['checkpoint_bytes'])} more); --replicas always splits them (the "
+              "default, auto, does on remote stores)")
     if args.items:
         for r in ranks:
             print(f"rank {r.rank} read items:")
@@ -146,6 +335,22 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 box = ", ".join(f"{o}:{o + n}" for o, n in zip(item["offsets"], item["lengths"]))
                 print(f"  {item['key']}[{box}] -> {item['target']} @ {tuple(item['target_offsets'])}")
     return 0
+
+
+_RUNS_NOTE = ("(runs: contiguous byte runs copied out of the files' memory mappings, one per row of a "
+              "row-sharded box, large ones read with preadv: not requests to storage; --no-map reads by requests)")
+
+
+def _requests_column(mapped: bool) -> str:
+    """The name of the requests figure: mapped reads make no requests, they copy runs (:data:`_RUNS_NOTE`)."""
+    return "runs" if mapped else "requests"
+
+
+def _unexpected_line(keys: Sequence[str]) -> str:
+    from hp_dcp_hf.planner import describe_keys
+
+    return (f"{len(keys)} checkpoint tensors make no model tensor: {describe_keys(keys)} "
+            "(--unexpected ignore silences this, raise refuses the load)")
 
 
 # -- load --------------------------------------------------------------------------------------
@@ -195,19 +400,26 @@ def _check_launch(args: argparse.Namespace, mesh: str, rank: int, world: int) ->
 
 
 def cmd_load(args: argparse.Namespace) -> int:
+    rank, world = _launched_rank_and_world()
+    with _messages(rank):
+        return _load(args, rank, world)
+
+
+def _load(args: argparse.Namespace, rank: int, world: int) -> int:
     import torch
     import torch.distributed as dist
 
     from hp_dcp_hf.pipeline import from_pretrained
     from hp_dcp_hf.toolkit import (
         RecordingReader,
+        SaveProgress,
         fmt_bytes,
         parallelize_for,
         progress_planner,
+        reads_mapped,
         table,
     )
 
-    rank, world = _launched_rank_and_world()
     mesh = args.mesh or f"dp={world}"
     if not _check_launch(args, mesh, rank, world):
         return 1
@@ -215,12 +427,14 @@ def cmd_load(args: argparse.Namespace) -> int:
     try:
         parallelize = parallelize_for(mesh)
         reader = RecordingReader(args.path, **_reader_options(args))
+        planner_cls = progress_planner(rank == 0, shard_bytes=True)
         start = time.perf_counter()
-        model, report = from_pretrained(
-            args.path, dtype=args.dtype, transforms=_transforms(args.transforms),
-            parallelize=parallelize, loader=args.loader, strict=not args.no_strict, reader=reader,
-            planner_cls=progress_planner(rank == 0),
-        )
+        with _config_from_the_command_line():
+            model, report = from_pretrained(
+                args.path, dtype=args.dtype, transforms=_transforms(args.transforms),
+                parallelize=parallelize, loader=args.loader, strict=not args.no_strict,
+                unexpected=args.unexpected, reader=reader, planner_cls=planner_cls,
+            )
         total_s = time.perf_counter() - start
         layout = parallelize.describe()
         logits = None
@@ -235,13 +449,17 @@ def cmd_load(args: argparse.Namespace) -> int:
             from hp_dcp_hf.storage import HFStorageWriter
 
             save_dtype = _save_dtype(args.save_dtype, reader.entries.values())
-            writer = HFStorageWriter(args.save_to, max_shard_size=args.max_shard_size, dtype=save_dtype)
+            save_options = args.storage_options if args.save_storage_options is None else args.save_storage_options
+            writer = HFStorageWriter(args.save_to, max_shard_size=args.max_shard_size, dtype=save_dtype,
+                                     progress=SaveProgress() if rank == 0 else None, **save_options)
             start = time.perf_counter()
             save_hf_checkpoint(model, args.save_to, writer=writer)
             written, save_s = writer.bytes_written, time.perf_counter() - start
+        assert planner_cls.last is not None and planner_cls.last.shard_bytes is not None
         row = {
-            "rank": rank, "bytes_needed": report.plan.bytes_needed, "bytes_read": report.read.bytes_read,
-            "requests": report.read.requests, "load_s": report.seconds["load"], "read_s": report.seconds["read"],
+            "rank": rank, "bytes_needed": planner_cls.last.shard_bytes, "bytes_read": report.read.bytes_read,
+            "bytes_planned": report.plan.bytes_needed, "requests": report.read.requests,
+            "mapped": reads_mapped(reader), "load_s": report.seconds["load"], "read_s": report.seconds["read"],
             "phases": {k: report.seconds.get(k, 0.0) for k in _PHASES},
             "total_s": total_s,
             "loaded": len(report.loaded_keys), "missing": len(report.missing_keys),
@@ -264,17 +482,23 @@ def cmd_load(args: argparse.Namespace) -> int:
     for line in layout:
         print(f"layout: {line}")
     phases = _PHASES
-    print(table(("rank", "bytes needed", "bytes read", "requests", "load s", *(f"{p} s" for p in phases), "GB/s"),
+    mapped = rows[0]["mapped"]
+    print(table(("rank", "bytes needed", "bytes read", _requests_column(mapped), "load s",
+                 *(f"{p} s" for p in phases), "GB/s"),
                 [(r["rank"], fmt_bytes(r["bytes_needed"]), fmt_bytes(r["bytes_read"]), r["requests"],
                   f"{r['load_s']:.2f}", *(f"{r['phases'][p]:.2f}" for p in phases),
                   f"{r['bytes_read'] / max(r['read_s'], 1e-9) / 1e9:.2f}")
                  for r in rows]))
-    print("(load s: the whole load, its metadata, plan, read and exchange phases and the agreement after "
-          "it; copy s: of read s, the reads' wait for copies to CUDA devices; finalize s: the model's init of "
-          "what the checkpoint lacks, tying; GB/s: bytes read over read s)")
+    print("(bytes needed: what the rank's shards need from the checkpoint; load s: the whole load, its "
+          "metadata, plan, read and exchange phases and the agreement after it; copy s: of read s, the reads' "
+          "wait for copies to CUDA devices; finalize s: the model's init of what the checkpoint lacks, tying; "
+          "GB/s: bytes read over read s)")
+    if mapped:
+        print(_RUNS_NOTE)
     needed = sum(r["bytes_needed"] for r in rows)
     read = sum(r["bytes_read"] for r in rows)
-    print(f"read amplification {read / max(needed, 1):.3f} (bytes read / bytes needed); "
+    legacy = "; the legacy loader reads whole tensors, then keeps the shards" if args.loader == "legacy" else ""
+    print(f"read amplification {read / max(needed, 1):.3f} (bytes read / bytes the shards need{legacy}); "
           f"loaded {rows[0]['loaded']} tensors, missing {rows[0]['missing']}, unexpected {rows[0]['unexpected']}, "
           f"initialized by the model {rows[0]['initialized']}")
     if logits is not None:
@@ -319,10 +543,11 @@ def _save_dtype(choice: str, entries: Any) -> Any:
 # -- repair ------------------------------------------------------------------------------------
 
 
+@_with_messages
 def cmd_repair(args: argparse.Namespace) -> int:
     from hp_dcp_hf.storage.writer import destination_for
 
-    print(f"{args.path}: {destination_for(args.path, {}).repair()}")
+    print(f"{args.path}: {destination_for(args.path, args.storage_options).repair()}")
     return 0
 
 
@@ -360,6 +585,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="show tracebacks instead of one-line errors (default: off)")
     parser = _Parser(prog=PROG, description=__doc__.split("\n")[0].replace("``", ""), parents=[common],
                      formatter_class=_HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}",
+                        help="print the version and exit")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     def command(name: str, help: str) -> argparse.ArgumentParser:
@@ -370,8 +597,20 @@ def build_parser() -> argparse.ArgumentParser:
     json_help = "print JSON instead of tables"
     transforms_help = f"comma-separated rewrites, applied in order; available: {', '.join(TRANSFORMS)}"
 
-    p = command("inspect", "files, tensors, dtypes, bytes, index consistency")
+    def storage_option(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--storage-option", action=_StorageOptions, dest="storage_options", default={},
+                       metavar="KEY=VALUE",
+                       help="an option of PATH's store, repeatable: s3fs's (key=, secret=, "
+                            "client_kwargs.endpoint_url=http://..., client_kwargs.region_name=, anon=true), "
+                            "HTTP's (headers.Authorization='Bearer ...'), the Hub's (token=, endpoint=); VALUE is "
+                            "JSON where it parses (true, 10, {...}), else a string; dots nest keys (default: none)")
+
+    p = command("inspect", "files, tensors, dtypes, bytes, index consistency (headers only, no tensor data)")
     p.add_argument("path", help=path_help)
+    storage_option(p)
+    p.add_argument("--tensors", action="store_true", help="also list every tensor: name, dtype, shape, file, bytes")
+    p.add_argument("--match", type=_regex, default=None, metavar="REGEX",
+                   help="list the tensors whose name matches REGEX (re.search; implies --tensors) (default: all)")
     p.add_argument("--json", action="store_true", help=json_help)
     p.set_defaults(func=cmd_inspect)
 
@@ -387,6 +626,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                        help="the model's dtype; auto: config.json's dtype, as transformers 5's from_pretrained")
         p.add_argument("--no-strict", action="store_true", help="missing model tensors are not an error")
+        p.add_argument("--unexpected", default="warn", choices=("warn", "raise", "ignore"),
+                       help="checkpoint tensors that make no model tensor: warn (name them), raise (refuse "
+                            "the load before any read) or ignore")
+        storage_option(p)
         p.add_argument("--coalesce-gap", type=int, default=None, metavar="BYTES",
                        help="reader: merge ranges at most this far apart (default: 0 local, 1 MiB remote; "
                             "local files only with --no-map)")
@@ -416,10 +659,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-dtype", default="checkpoint", choices=("checkpoint", "model", *DTYPE_CHOICES[1:]),
                    help="with --save-to: checkpoint writes the checkpoint's floating-point dtype (a bf16 "
                         "checkpoint saves back byte for byte), model the model's (--dtype)")
+    p.add_argument("--save-storage-option", action=_StorageOptions, dest="save_storage_options", default=None,
+                   metavar="KEY=VALUE", help="with --save-to: an option of DIR's store, as --storage-option, "
+                                             "repeatable (default: those of --storage-option)")
     p.set_defaults(func=cmd_load)
 
     p = command("repair", "finish a save that was killed while publishing, drop what killed saves left")
     p.add_argument("path", help="a checkpoint directory or s3:// prefix that saves write to")
+    storage_option(p)
     p.set_defaults(func=cmd_repair)
 
     p = command("demo", "generate a small MoE checkpoint and load it on 4 ranks")
@@ -438,6 +685,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=900, help="seconds a rank waits for the others (its process group's timeout)")
     p.set_defaults(func=cmd_demo)
     return parser
+
+
+def _regex(text: str) -> re.Pattern[str]:
+    try:
+        return re.compile(text)
+    except re.error as error:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a regular expression: {error}") from None
 
 
 def _one_line(error: BaseException) -> str:

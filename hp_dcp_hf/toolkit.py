@@ -5,8 +5,8 @@
 * :func:`parallelize_for`: the one place the parallel layout of every command is made (``plan``'s
   fake ranks, ``load`` and the demo's ranks all call it).
 * :func:`plan_ranks`: every rank's reads without a process group and without reading tensor data.
-* :class:`RecordingReader`, :func:`progress_planner`: a reader keeping its requests, a planner
-  driving a progress bar.
+* :class:`RecordingReader`, :func:`progress_planner`, :class:`SaveProgress`: a reader keeping its
+  requests, a planner and a writer hook driving a :class:`Progress` (a bar on a terminal, lines in a log).
 
 This module imports torch and the storage layer; :mod:`hp_dcp_hf.cli` imports it inside its
 command functions only, so ``hp-dcp-hf --help`` stays fast.
@@ -14,12 +14,15 @@ command functions only, so ``hp-dcp-hf --help`` stays fast.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import math
 import sys
 import threading
+import time
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -27,27 +30,35 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hp_dcp_hf.errors import QuantizationError
+from hp_dcp_hf.mapping.families import natural_sorted
 from hp_dcp_hf.model_dtype import AUTO, DtypeSpec, resolve_dtype
 from hp_dcp_hf.parallel.cooperation import COOPERATE
-from hp_dcp_hf.parallel.mesh import mesh_world_size, parse_mesh
+from hp_dcp_hf.parallel.mesh import DENSE_DIMS, mesh_world_size, parse_mesh
 from hp_dcp_hf.parallel.replicas import ReplicaGroups, mesh_coordinates
 from hp_dcp_hf.storage import INDEX_FILE, HFStorageReader, ReadStats, filesystem, locate, scan
 from hp_dcp_hf.storage.catalog import QUANTIZATION_CONFIG, Catalog
+from hp_dcp_hf.storage.journal import SINGLE_FILE
 from hp_dcp_hf.storage.stats import FileStats
 
 if TYPE_CHECKING:
     from hp_dcp_hf.parallel import TransformersPlans
+    from hp_dcp_hf.planner import HFMappingPlanner, Unexpected
 
 __all__ = [
+    "Progress",
     "RankPlan",
     "RecordingReader",
+    "SaveProgress",
     "fmt_bytes",
     "inspect_checkpoint",
     "parallelize_for",
     "plan_ranks",
     "progress_planner",
+    "reads_mapped",
     "table",
 ]
+
+logger = logging.getLogger(__name__)
 
 # -- formatting ---------------------------------------------------------------------------------
 
@@ -73,9 +84,12 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 # -- inspect ------------------------------------------------------------------------------------
 
 
-def inspect_checkpoint(path: str) -> dict[str, Any]:
-    """Files, tensors, dtypes, bytes and index consistency of the checkpoint at ``path``."""
-    location, single = locate(*filesystem(path))
+def inspect_checkpoint(path: str, storage_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Files, tensors, dtypes, bytes and index consistency of the checkpoint at ``path``, from its
+    index and headers alone (no tensor data is read). ``tensor_list``: every tensor, naturally sorted
+    by name, with its dtype, shape, bytes, file and byte range there (``chunks`` instead of a file
+    for a tensor stored in chunks across files). ``storage_options`` go to the store (s3fs, HTTP, Hub)."""
+    location, single = locate(*filesystem(path, storage_options))
     stats = ReadStats()
     catalog = scan(location, single, stats)  # raises on any index / header inconsistency
     files: dict[str, dict[str, Any]] = {
@@ -84,12 +98,25 @@ def inspect_checkpoint(path: str) -> dict[str, Any]:
     }
     dtypes: dict[str, dict[str, int]] = defaultdict(lambda: {"tensors": 0, "bytes": 0})
     for entry in catalog.entries.values():
-        files[entry.file]["tensors"] += 1
-        files[entry.file]["tensor_bytes"] += entry.nbytes
+        for part in entry.parts:
+            files[part.file]["tensors"] += 1
+            files[part.file]["tensor_bytes"] += part.nbytes
         dtypes[entry.dtype_name]["tensors"] += 1
         dtypes[entry.dtype_name]["bytes"] += entry.nbytes
+    tensor_list = []
+    for key in natural_sorted(catalog.entries):
+        entry = catalog.entries[key]
+        row: dict[str, Any] = {"name": key, "dtype": entry.dtype_name, "shape": list(entry.shape), "bytes": entry.nbytes}
+        places = [{"file": p.file, "file_offsets": [p.data_start, p.data_end]} for p in entry.parts]
+        if entry.chunked:
+            row["chunks"] = [{"offsets": list(p.offsets or ()), "shape": list(p.shape), **place}
+                             for p, place in zip(entry.parts, places)]
+        else:
+            row.update(places[0])
+        tensor_list.append(row)
     quantized = _quantized_tensors(catalog)
-    has_index = single is None and location.exists(INDEX_FILE)
+    model_alone = single is None and catalog.files == (SINGLE_FILE,)  # read first, as transformers does: no index
+    has_index = single is None and not model_alone and location.exists(INDEX_FILE)
     listed = set(catalog.files)
     stray = sorted(n for n in location.list_files() if n.endswith(".safetensors") and n not in listed) \
         if has_index else []
@@ -114,9 +141,16 @@ def inspect_checkpoint(path: str) -> dict[str, Any]:
             "consistent": True,  # scan() refuses any disagreement between the index and the headers
             "keys": len(catalog.entries) if has_index else None,
             "unlisted_files": stray,
+            # what is read without an index: the one file PATH names (when its directory has an
+            # index, the directory is the checkpoint), model.safetensors alone, or every
+            # .safetensors file of the directory
+            "single_file": single,
+            "directory_has_index": single is not None and location.exists(INDEX_FILE),
+            "model_safetensors_alone": model_alone,
         },
         "config": config,
         "quantization": quantized,
+        "tensor_list": tensor_list,
     }
 
 
@@ -207,6 +241,7 @@ def plan_ranks(
     transforms: Sequence[str] = (),
     dtype: DtypeSpec = AUTO,
     strict: bool = True,
+    unexpected: Unexpected = "warn",
     with_items: bool = False,
     **reader_options: Any,
 ) -> dict[str, Any]:
@@ -216,6 +251,10 @@ def plan_ranks(
     Each rank's model is built on the meta device under torch's ``fake`` process group with that
     rank's number; its ReadItems come from :class:`HFMappingPlanner`, its requests from
     :meth:`HFStorageReader.plan_requests` (the reader's own coalescing and staging budget).
+    ``unexpected``: as the planner's; the result's ``unexpected`` lists the checkpoint tensors that
+    make no model tensor (none with ``"ignore"``; ``"raise"`` raises). ``coordinate_dims`` names the
+    dims of each rank's ``coordinate``; ``mapped``: whether the reads are copies out of memory
+    mappings (then ``requests`` count contiguous runs, not requests to storage).
     """
     import torch.distributed as dist
 
@@ -243,14 +282,17 @@ def plan_ranks(
                 every.append(mesh_coordinates(list(model.state_dict().values())))
     ranks: list[RankPlan] = []
     layout: list[str] = []
+    unused: tuple[str, ...] = ()
     for rank in range(world):
         with _fake_rank(rank, world):
             model, mapping, parallelize = _rank_model(sizes, config, model_cls, dtype, transforms)
             replicas = ReplicaGroups(rank, world, every) if every is not None else None
-            planner = HFMappingPlanner(model, weights_mapping=mapping, strict=strict, replicas=replicas)
+            planner = HFMappingPlanner(model, weights_mapping=mapping, strict=strict, unexpected=unexpected,
+                                       replicas=replicas)
             items = planner.plan_reads(model.state_dict(), metadata)
             coordinate = parallelize.coordinate
             layout = parallelize.describe()
+            unused = planner.reported_unexpected  # every rank's model uses the same checkpoint tensors
         requests = reader.plan_requests(items)
         plan = RankPlan(
             rank, coordinate,
@@ -280,11 +322,14 @@ def plan_ranks(
         "model": model_cls.__name__,
         "mesh": sizes,
         "world_size": world,
+        "coordinate_dims": [dim for dim in sizes if dim in DENSE_DIMS],  # TransformersPlans.coordinate's
         "transforms": list(transforms),
         "layout": layout,
         "checkpoint_bytes": checkpoint_bytes,
         "quantization": _quantization(metadata.planner_data.get(QUANTIZATION_CONFIG)),
         "cooperative": cooperate,
+        "mapped": reads_mapped(reader),
+        "unexpected": list(unused),
         "ranks": ranks,
     }
 
@@ -326,6 +371,13 @@ def _quantization(quantization_config: Mapping[str, Any] | None) -> str | None:
 # -- load instrumentation -----------------------------------------------------------------------
 
 
+def reads_mapped(reader: HFStorageReader) -> bool:
+    """Whether ``reader`` (after ``read_metadata``) copies out of memory mappings of the files: its
+    ``requests`` then count contiguous byte runs copied (one per row of a row-sharded box), not
+    requests to storage (see :mod:`hp_dcp_hf.storage.stats`)."""
+    return reader._maps
+
+
 class RecordingReader(HFStorageReader):
     """An :class:`HFStorageReader` that keeps every request it issues (``reads``: ``(file, start,
     end)``, coalescing gaps included)."""
@@ -338,25 +390,113 @@ class RecordingReader(HFStorageReader):
         return self.requests_log
 
 
-def progress_planner(show: bool, desc: str = "rank 0 loading") -> Callable[..., Any]:
-    """A planner class whose planners drive a tqdm bar (bytes, tensors done) when ``show``."""
+PROGRESS_EVERY_S = 5.0
+"""Seconds between two progress lines when stderr is not a terminal."""
+
+
+class Progress:
+    """Bytes done of ``total``, for work long enough to look stuck: a tqdm bar on stderr when it is a
+    terminal, else an INFO record of this module's logger every :data:`PROGRESS_EVERY_S` seconds and
+    one at :meth:`close` (a log gets lines, not carriage returns; the CLI prints them). ``note``
+    (``"tensors 3/10"``) goes after the bytes. Thread-safe."""
+
+    def __init__(self, desc: str, total: int, note: str = "") -> None:
+        self.desc, self.total, self.done, self.note = desc, total, 0, note
+        self._lock = threading.Lock()
+        self._start = self._shown = time.monotonic()
+        self._closed = False
+        self._bar = None
+        if sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc,
+                             dynamic_ncols=True, file=sys.stderr, postfix=note or None)
+
+    def update(self, nbytes: int, note: str | None = None) -> None:
+        with self._lock:
+            self.done += nbytes
+            self.note = self.note if note is None else note
+            if self._bar is not None:
+                self._bar.update(nbytes)
+                if note is not None:
+                    self._bar.set_postfix_str(note, refresh=False)
+            elif time.monotonic() - self._shown >= PROGRESS_EVERY_S:
+                self._line()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            if self._bar is not None:
+                self._bar.close()
+            else:
+                self._line()
+
+    def _line(self) -> None:
+        self._shown = time.monotonic()
+        share = self.done / self.total if self.total else 1.0
+        note = f", {self.note}" if self.note else ""
+        logger.info("%s: %s of %s (%.0f%%)%s, %.1f s", self.desc, fmt_bytes(self.done), fmt_bytes(self.total),
+                    100 * share, note, self._shown - self._start)
+
+
+class SaveProgress:
+    """A :class:`~hp_dcp_hf.storage.HFStorageWriter` ``progress`` hook: a :class:`Progress` of this
+    rank's bytes written, from the first call of a save to the one that reaches its total."""
+
+    def __init__(self, desc: str = "rank 0 saving") -> None:
+        self.desc = desc
+        self._progress: Progress | None = None
+
+    def __call__(self, done: int, total: int) -> None:
+        if self._progress is None:
+            self._progress = Progress(self.desc, total)
+        self._progress.update(done - self._progress.done)
+        if done >= total:
+            self._progress.close()
+            self._progress = None
+
+
+def progress_planner(show: bool, desc: str = "rank 0 loading", *, shard_bytes: bool = False) -> type[HFMappingPlanner]:
+    """A planner class whose planners drive a :class:`Progress` (bytes, tensors done) when ``show``.
+
+    The class's ``last`` is its last planner, to read after ``from_pretrained`` made and used it.
+    With ``shard_bytes``, a planner's ``shard_bytes`` is what this rank's shards need from the
+    checkpoint: its own ``stats.bytes_needed`` when it traces, and for the legacy (untraced) plan,
+    which reads whole tensors, that of a traced plan made first (on this rank alone, no collective):
+    the bytes the legacy loader's reads amplify.
+    """
     from hp_dcp_hf.planner import HFMappingPlanner
 
     class ProgressPlanner(HFMappingPlanner):
+        last: ProgressPlanner | None = None
+        shard_bytes: int | None = None
+
         def create_local_plan(self):
-            plan = super().create_local_plan()
-            self._bar = None
+            traced = self._traced_bytes() if shard_bytes and not self.trace else None
+            plan = super().create_local_plan()  # after the traced plan: what it records on the model is this one's
+            type(self).last = self
+            if shard_bytes:
+                self.shard_bytes = self.stats.bytes_needed if traced is None else traced
+            self._progress = None
             self._lock_bar = threading.Lock()
             self._left = Counter(item.dest_index.fqn for item in plan.items)
             self._tensors, self._done = len(self._left), 0
             if show and plan.items:
-                from tqdm import tqdm
-
                 total = sum(self._item_bytes(item) for item in plan.items)
-                self._bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc,
-                                 dynamic_ncols=True, file=sys.stderr)
-                self._bar.set_postfix_str(f"tensors 0/{self._tensors}")
+                self._progress = Progress(desc, total, f"tensors 0/{self._tensors}")
             return plan
+
+        def _traced_bytes(self) -> int:
+            planner = HFMappingPlanner(
+                self.model, weights_mapping=self.weights_mapping, strict=False, unexpected="ignore",
+                external_target_fqns=self.external_target_fqns, claimed_source_keys=self.claimed_source_keys,
+            )
+            data = self.metadata.planner_data if isinstance(self.metadata.planner_data, Mapping) else {}
+            alone = dataclasses.replace(self.metadata, planner_data={k: v for k, v in data.items() if k != COOPERATE})
+            planner.plan_reads(self.state_dict, alone)
+            return planner.stats.bytes_needed
 
         def _item_bytes(self, item) -> int:
             md = self.metadata.state_dict_metadata[item.storage_index.fqn]
@@ -364,16 +504,15 @@ def progress_planner(show: bool, desc: str = "rank 0 loading") -> Callable[..., 
 
         def commit_tensor(self, read_item, tensor) -> None:
             super().commit_tensor(read_item, tensor)
-            if self._bar is None:
+            if self._progress is None:
                 return
             with self._lock_bar:
                 self._left[read_item.dest_index.fqn] -= 1
                 if not self._left[read_item.dest_index.fqn]:
                     self._done += 1
-                self._bar.update(self._item_bytes(read_item))
-                self._bar.set_postfix_str(f"tensors {self._done}/{self._tensors}", refresh=False)
+                self._progress.update(self._item_bytes(read_item), f"tensors {self._done}/{self._tensors}")
                 if self._done == self._tensors:
-                    self._bar.close()
-                    self._bar = None
+                    self._progress.close()
+                    self._progress = None
 
     return ProgressPlanner

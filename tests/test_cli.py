@@ -1,4 +1,5 @@
-"""The ``hp-dcp-hf`` command line: ``--help``, ``inspect``, ``plan`` (text and ``--json``), errors, ``load``.
+"""The ``hp-dcp-hf`` command line: ``--help``, ``--version``, ``inspect``, ``plan`` (text and ``--json``),
+errors, ``load``, the messages and progress lines of a load and a save, ``--unexpected``.
 
 ``plan`` computes every rank's reads in one process without a process group; here its numbers are
 checked against a real 4-rank load (``hp_dcp_hf.launch.run_ranks``) of the same layout, rank by
@@ -56,17 +57,28 @@ def mixtral(tiny_checkpoints):
 _HEAVY = ("torch", "transformers", "torch.distributed.checkpoint")
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["inspect", "--help"], ["plan", "--help"], ["load", "--help"],
-                                  ["demo", "--help"]])
-def test_help_imports_neither_torch_nor_transformers(argv):
-    # ``python -m hp_dcp_hf ... --help`` as a user runs it; ``-X importtime`` lists every module imported.
+def _light_run(*argv: str) -> str:
+    """``python -m hp_dcp_hf ARGV``'s stdout, as a user runs it, checking that it imported neither
+    torch nor transformers (``-X importtime`` lists every module imported)."""
     proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "hp_dcp_hf", *argv],
                           capture_output=True, text=True, cwd=REPO, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.startswith("usage: hp-dcp-hf")
     imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
     assert "hp_dcp_hf.cli" in imported  # the listing is really there
     assert not imported & set(_HEAVY), sorted(imported & set(_HEAVY))
+    return proc.stdout
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["inspect", "--help"], ["plan", "--help"], ["load", "--help"],
+                                  ["demo", "--help"]])
+def test_help_imports_neither_torch_nor_transformers(argv):
+    assert _light_run(*argv).startswith("usage: hp-dcp-hf")
+
+
+def test_version_imports_neither_torch_nor_transformers():
+    import hp_dcp_hf
+
+    assert _light_run("--version") == f"hp-dcp-hf {hp_dcp_hf.__version__}\n"
 
 
 def test_public_names_are_lazy_and_importable():
@@ -171,6 +183,79 @@ def test_inspect_inconsistent_index_is_an_error(capsys, llama, tmp_path):
     assert key in err and "Traceback" not in err
 
 
+def test_inspect_tensors_lists_every_tensor_from_the_headers(capsys, mixtral, monkeypatch):
+    from hp_dcp_hf.storage.location import RangeFile
+
+    keys = checkpoint_keys(mixtral.path)
+    headers = {f.name: json.loads(f.read_bytes()[8:8 + int.from_bytes(f.read_bytes()[:8], "little")])
+               for f in checkpoint_files(mixtral.path)}
+    real_read = RangeFile.read
+
+    def headers_only(self, start, end):  # a header is a file's first bytes: no tensor data below them
+        if self.file.endswith(".safetensors"):
+            assert end <= 8 + int.from_bytes(real_read(self, 0, 8), "little"), "inspect read tensor data"
+        return real_read(self, start, end)
+
+    monkeypatch.setattr(RangeFile, "read", headers_only)
+    code, out, err = _run_cli(capsys, "inspect", str(mixtral.path), "--tensors", "--json")
+    assert code == 0, err
+    listed = json.loads(out)["tensor_list"]
+    assert [t["name"] for t in listed] == sorted(keys, key=lambda k: [int(p) if p.isdigit() else p
+                                                                       for p in k.split(".")])
+    for tensor in listed:
+        info = headers[tensor["file"]][tensor["name"]]
+        assert (tensor["dtype"], tuple(tensor["shape"])) == keys[tensor["name"]]
+        length = int.from_bytes((mixtral.path / tensor["file"]).read_bytes()[:8], "little")
+        assert tensor["file_offsets"] == [8 + length + o for o in info["data_offsets"]]
+        assert tensor["bytes"] == info["data_offsets"][1] - info["data_offsets"][0]
+    code, out, err = _run_cli(capsys, "inspect", str(mixtral.path), "--match", r"layers\.1\..*(q|k)_proj")
+    assert code == 0, err
+    lines = out.splitlines()
+    table_lines = lines[next(i for i, line in enumerate(lines) if line.split()[:2] == ["tensor", "dtype"]):]
+    assert table_lines[0].split() == ["tensor", "dtype", "shape", "file", "bytes"]
+    assert [line.split()[0] for line in table_lines[2:-1]] == ["model.layers.1.self_attn.k_proj.weight",
+                                                               "model.layers.1.self_attn.q_proj.weight"]
+    k_proj = next(t for t in listed if t["name"] == "model.layers.1.self_attn.k_proj.weight")
+    assert table_lines[2].split()[1:] == ["BF16", *str(k_proj["shape"]).split(), k_proj["file"],
+                                          *fmt_bytes(k_proj["bytes"]).split()]
+    assert table_lines[-1] == f"2 of {len(keys)} tensors match layers\\.1\\..*(q|k)_proj"
+    code, out, err = _run_cli(capsys, "inspect", str(mixtral.path), "--match", "no such tensor", "--json")
+    assert code == 0 and json.loads(out)["tensor_list"] == []
+    _, out, _ = _run_cli(capsys, "inspect", str(mixtral.path), "--json")
+    assert "tensor_list" not in json.loads(out)  # without --tensors, the summary alone
+
+
+def test_inspect_bad_regex_is_a_usage_error(capsys, llama):
+    with pytest.raises(SystemExit) as exit_:
+        main(["inspect", str(llama.path), "--match", "(unclosed"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1
+    assert "argument --match: '(unclosed' is not a regular expression: missing ), unterminated subpattern" in err
+
+
+def test_inspect_of_one_shard_says_only_it_is_read_and_names_the_directory(capsys, llama):
+    shard = checkpoint_files(llama.path)[0]
+    code, out, err = _run_cli(capsys, "inspect", str(shard))
+    assert code == 0, err
+    (index,) = [line for line in out.splitlines() if line.startswith("index ")]
+    assert index == (f"index      none: PATH is one file, {shard.name}, and only it is read; its directory has "
+                     f"model.safetensors.index.json: the directory ({llama.path}) is the checkpoint, pass it to "
+                     "read every shard")
+
+
+def test_inspect_says_what_is_read_without_an_index(capsys, tiny_checkpoints, tmp_path):
+    single = tiny_checkpoints("llama", torch.bfloat16, max_shard_size=None).path
+    _, out, _ = _run_cli(capsys, "inspect", str(single / "model.safetensors"))
+    assert "index      none: PATH is one file, model.safetensors, and only it is read\n" in out
+    _, out, _ = _run_cli(capsys, "inspect", str(single))
+    assert "index      none: model.safetensors is read, alone (as transformers reads it first)\n" in out
+    loose = tmp_path / "loose"
+    loose.mkdir()
+    shutil.copy(single / "model.safetensors", loose / "weights.safetensors")
+    _, out, _ = _run_cli(capsys, "inspect", str(loose))
+    assert "index      none: every .safetensors file of the directory is read\n" in out
+
+
 # -- errors ------------------------------------------------------------------------------------
 
 
@@ -241,6 +326,21 @@ def test_bare_repo_id_the_hub_does_not_know(capsys, tmp_path, monkeypatch):
     assert "no local directory 'org/absent', and the Hub answered: not found on the Hub" in err, err
 
 
+@pytest.mark.parametrize("command", ["plan", "load"])
+def test_no_config_says_what_to_do_on_the_command_line(capsys, llama, tmp_path, command):
+    weights = tmp_path / "weights"
+    weights.mkdir()
+    for file in checkpoint_files(llama.path):
+        shutil.copy(file, weights / file.name)
+    code, out, err = _run_cli(capsys, command, str(weights), "--mesh", "dp=1")
+    assert code == 1 and out == ""
+    *stages, error = err.splitlines()  # load names its stages first
+    assert stages == ([f"hp-dcp-hf: reading the config of {weights}"] if command == "load" else [])
+    assert error == (f"hp-dcp-hf: error: file '{weights / 'config.json'}': no config.json next to the weights, and "
+                     "plan and load build the model from it: point PATH at the checkpoint's directory that holds its "
+                     "config.json (as save_pretrained writes it), or put the model's config.json there")
+
+
 def test_debug_shows_the_exception(capsys, llama):
     from hp_dcp_hf.errors import CheckpointNotFoundError
 
@@ -286,6 +386,33 @@ def test_plan_closing_note_names_coalescing_holes(capsys, llama):
     note, replicas = out.strip().splitlines()[-2:]
     assert note.startswith("all ranks read ") and replicas.startswith("replicas read the same shards (")
     assert f"coalescing adds {fmt_bytes(holes)} of holes" in note, note
+
+
+def test_plan_names_the_coordinate_dims_and_speaks_of_replicas_only_where_there_are(capsys, llama):
+    code, out, err = _run_cli(capsys, "plan", str(llama.path), "--mesh", "dp=2")
+    assert code == 0, err
+    lines = out.splitlines()
+    header = next(line for line in lines if line.startswith("rank "))
+    assert header.split()[:3] == ["rank", "coord", "(dp)"]
+    assert not any("replicas" in line for line in lines), out  # FSDP alone: each byte needed by one rank
+    _, out, _ = _run_cli(capsys, "plan", str(llama.path), "--mesh", "dp_replicate=2", "--no-map")
+    header = next(line for line in out.splitlines() if line.startswith("rank "))
+    assert header.split()[:3] == ["rank", "coord", "(dp_replicate)"]
+    _, checkpoint, _ = _run_cli(capsys, "inspect", str(llama.path), "--json")
+    replicated = json.loads(checkpoint)["tensor_bytes"]  # both replicas need every byte
+    assert out.splitlines()[-1] == (f"replicas read the same shards (2.00x the checkpoint, {fmt_bytes(replicated)} "
+                                    "more); --replicas always splits them (the default, auto, does on remote stores)")
+
+
+def test_mapped_reads_are_runs_not_requests(capsys, llama):
+    code, out, err = _run_cli(capsys, "plan", str(llama.path), "--mesh", "dp=1")
+    assert code == 0, err
+    header = next(line for line in out.splitlines() if line.startswith("rank ")).split()
+    assert "runs" in header and "requests" not in header
+    assert "(runs: contiguous byte runs copied out of the files' memory mappings" in out
+    _, out, _ = _run_cli(capsys, "plan", str(llama.path), "--mesh", "dp=1", "--no-map")
+    header = next(line for line in out.splitlines() if line.startswith("rank ")).split()
+    assert "requests" in header and "runs" not in header and "(runs:" not in out
 
 
 def test_plan_json_reads_no_data_and_uses_no_process_group(capsys, llama, monkeypatch):
@@ -382,8 +509,104 @@ def test_load_single_process_json(capsys, llama):
     code, out, err = _run_cli(capsys, "load", str(llama.path))
     assert code == 0, err
     header = next(line for line in out.splitlines() if line.startswith("rank "))
-    assert header.split() == ["rank", "bytes", "needed", "bytes", "read", "requests", "load", "s", "metadata", "s",
+    assert header.split() == ["rank", "bytes", "needed", "bytes", "read", "runs", "load", "s", "metadata", "s",
                               "plan", "s", "read", "s", "copy", "s", "exchange", "s", "finalize", "s", "GB/s"]
+    assert "(runs: contiguous byte runs copied out of the files' memory mappings" in out
+    code, out, err = _run_cli(capsys, "load", str(llama.path), "--no-map")
+    assert code == 0, err
+    assert next(line for line in out.splitlines() if line.startswith("rank ")).split()[5] == "requests"
+    assert "(runs:" not in out
+
+
+def test_load_names_its_stages_and_progress_on_rank_0(capsys, llama, tmp_path, monkeypatch):
+    from hp_dcp_hf import toolkit
+
+    monkeypatch.setattr(toolkit, "PROGRESS_EVERY_S", 0.0)  # a line at every update, not every few seconds
+    code, out, err = _run_cli(capsys, "load", str(llama.path), "--save-to", str(tmp_path / "saved"), "--json")
+    assert code == 0, err
+    (row,) = json.loads(out)["ranks"]
+    lines = err.splitlines()
+    assert all(line.startswith("hp-dcp-hf: ") for line in lines), err
+    assert lines[:4] == [f"hp-dcp-hf: reading the config of {llama.path}",
+                         "hp-dcp-hf: building LlamaForCausalLM (torch.bfloat16) on the meta device",
+                         "hp-dcp-hf: parallelizing", "hp-dcp-hf: allocating the local shards on cpu"]
+    loading = [line for line in lines if line.startswith("hp-dcp-hf: rank 0 loading: ")]
+    assert len(loading) > 2 and f"{fmt_bytes(row['bytes_read'])} of {fmt_bytes(row['bytes_read'])} (100%)" in loading[-1]
+    saving = [line.removeprefix("hp-dcp-hf: rank 0 saving: ") for line in lines if "rank 0 saving" in line]
+    done = [float(line.split()[0]) for line in saving]  # KiB: the tiny llama is under 1 MiB
+    assert len(saving) > 2 and done == sorted(done) and done[0] == 0, saving
+    total = fmt_bytes(row["bytes_written"])
+    assert saving[-1].startswith(f"{total} of {total} (100%), ") and lines[-1].startswith("hp-dcp-hf: rank 0 saving")
+
+
+def test_warnings_and_logs_print_one_clean_line(capsys):
+    import logging
+    import warnings
+
+    from hp_dcp_hf import toolkit
+    from hp_dcp_hf.cli import _messages
+
+    with warnings.catch_warnings(record=True) as shown_by_python, _messages():
+        warnings.simplefilter("always")
+        warnings.warn_explicit("left whole:\n  a\n  b", UserWarning, toolkit.__file__, 10)
+        logging.getLogger("hp_dcp_hf.api").warning("%d tensors unused", 3)
+        logging.getLogger("hp_dcp_hf.mapping.compose").info("a planning detail")  # not a stage: not shown
+        warnings.warn_explicit("not ours", UserWarning, __file__, 20)  # another module's: Python's own way
+    assert capsys.readouterr().err.splitlines() == ["hp-dcp-hf: warning: left whole: a b",
+                                                    "hp-dcp-hf: warning: 3 tensors unused"]
+    assert [str(w.message) for w in shown_by_python] == ["not ours"]
+    with _messages(rank=1):
+        logging.getLogger("hp_dcp_hf.pipeline").info("parallelizing")  # stages: rank 0's alone
+        logging.getLogger("hp_dcp_hf.api").error("failed")
+    assert capsys.readouterr().err == "hp-dcp-hf: rank 1: error: failed\n"
+    logging.getLogger("hp_dcp_hf.pipeline").info("after the command")
+    assert capsys.readouterr().err == ""
+
+
+def test_the_writer_reports_each_rank_s_bytes_as_it_writes(llama, tmp_path):
+    from hp_dcp_hf.api import save_hf_checkpoint
+    from hp_dcp_hf.storage import HFStorageWriter
+
+    calls = []
+    writer = HFStorageWriter(tmp_path / "saved", max_shard_size="20KB", progress=lambda done, total: calls.append(
+        (done, total)))
+    save_hf_checkpoint(llama.build_model(), str(tmp_path / "saved"), writer=writer)
+    total = writer.bytes_written
+    assert total == sum(f.stat().st_size - 8 - int.from_bytes(f.read_bytes()[:8], "little")
+                        for f in (tmp_path / "saved").glob("*.safetensors"))
+    assert calls[0] == (0, total) and calls[-1] == (total, total) and len(calls) > 2
+    assert [done for done, _ in calls] == sorted(done for done, _ in calls)
+    assert {t for _, t in calls} == {total}
+
+
+def test_legacy_amplification_is_over_what_the_shards_need(capsys, llama):
+    """The legacy loader reads whole tensors: its amplification is bytes read over what the shards
+    need (what the dcp loader's planner plans for the same layout), here on rank 1 of dp=2,tp=2
+    under the fake group."""
+    from hp_dcp_hf.parallel.mesh import parse_mesh
+    from hp_dcp_hf.pipeline import read_config, resolve_model_class
+    from hp_dcp_hf.planner import HFMappingPlanner
+    from hp_dcp_hf.storage import HFStorageReader
+    from hp_dcp_hf.toolkit import _fake_rank, _rank_model, _register_fake_backend, progress_planner
+
+    _register_fake_backend()
+    reader = HFStorageReader(str(llama.path))
+    metadata = reader.read_metadata()
+    config = read_config(str(llama.path))
+    with _fake_rank(1, 4):
+        model, mapping, _ = _rank_model(parse_mesh(MESH), config, resolve_model_class(config), torch.bfloat16, ())
+        planner = progress_planner(False, shard_bytes=True)(model, weights_mapping=mapping, trace=False)
+        planner.set_up_planner(model.state_dict(), metadata)
+        planner.create_local_plan()
+        dcp = HFMappingPlanner(model, weights_mapping=mapping)
+        dcp.plan_reads(model.state_dict(), metadata)
+    assert type(planner).last is planner
+    assert planner.shard_bytes == dcp.stats.bytes_needed
+    assert planner.stats.bytes_needed == sum(e.nbytes for e in reader.entries.values()) > 3 * planner.shard_bytes
+    code, out, err = _run_cli(capsys, "load", str(llama.path), "--loader", "legacy")
+    assert code == 0, err
+    assert ("read amplification 1.000 (bytes read / bytes the shards need; the legacy loader reads whole tensors, "
+            "then keeps the shards); loaded ") in out  # one rank: its shards are the whole tensors
 
 
 def test_load_save_to_writes_the_checkpoint_back(capsys, llama, tmp_path):
@@ -465,3 +688,60 @@ def test_plan_with_cooperating_replicas_reads_the_checkpoint_once(capsys, llama)
     code, out, err = _run_cli(capsys, *args, "always")
     assert code == 0, err
     assert "from peers" in out and "replicas read their shared shards once and exchange" in out
+
+
+# -- --unexpected --------------------------------------------------------------------------------
+
+EXTRA = "model.layers.0.mlp.extra_proj.weight"
+
+
+@pytest.fixture(scope="module")
+def with_extra_tensor(tiny_checkpoints, tmp_path_factory):
+    """The single-file tiny llama with one more tensor, which no model tensor is made from."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    source = tiny_checkpoints("llama", torch.bfloat16, max_shard_size=None).path
+    path = tmp_path_factory.mktemp("extra") / "llama"
+    shutil.copytree(source, path)
+    with safe_open(source / "model.safetensors", "pt") as handle:
+        metadata = handle.metadata()
+    save_file(load_file(source / "model.safetensors") | {EXTRA: torch.ones(4, 4, dtype=torch.bfloat16)},
+              path / "model.safetensors", metadata=metadata)
+    return path
+
+
+UNEXPECTED_WARNING = (f"1 checkpoint tensors make no model tensor: ['{EXTRA}'] (--unexpected ignore silences "
+                      "this, raise refuses the load)")
+
+
+@pytest.mark.parametrize("choice", ["warn", "ignore", "raise"])
+def test_plan_unexpected(capsys, with_extra_tensor, choice):
+    argv = ["plan", str(with_extra_tensor), "--mesh", "dp=1", "--unexpected", choice]
+    code, out, err = _run_cli(capsys, *argv)
+    if choice == "raise":
+        assert code == 1 and out == ""
+        assert err == (f"hp-dcp-hf: error: 1 checkpoint tensors make no model tensor (unexpected='raise'): "
+                       f"['{EXTRA}']\n")
+        return
+    assert code == 0 and err == ""
+    assert (f"  unexpected: {UNEXPECTED_WARNING}" in out.splitlines()) == (choice == "warn")
+    _, out, _ = _run_cli(capsys, *argv, "--json")
+    assert json.loads(out)["unexpected"] == ([EXTRA] if choice == "warn" else [])
+
+
+@pytest.mark.parametrize("choice", ["warn", "ignore", "raise"])
+def test_load_unexpected(capsys, with_extra_tensor, choice):
+    code, out, err = _run_cli(capsys, "load", str(with_extra_tensor), "--unexpected", choice)
+    stages = [line for line in err.splitlines() if not line.startswith(("hp-dcp-hf: warning", "hp-dcp-hf: error"))]
+    told = err.splitlines()[len(stages):]
+    if choice == "raise":
+        assert code == 1 and out == ""
+        assert told == [f"hp-dcp-hf: error: 1 checkpoint tensors make no model tensor (unexpected='raise'): "
+                        f"['{EXTRA}']"]
+        return
+    assert code == 0
+    assert "unexpected 1, " in out  # the report counts it whatever the choice
+    warning = (f"hp-dcp-hf: warning: 1 tensors of {with_extra_tensor} make no model tensor (UNEXPECTED; "
+               f"unexpected='ignore' silences this, 'raise' refuses such loads): ['{EXTRA}']")
+    assert told == ([warning] if choice == "warn" else [])
