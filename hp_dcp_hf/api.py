@@ -28,6 +28,7 @@ from hp_dcp_hf.save_planner import HFSavePlanner
 from hp_dcp_hf.storage import HFStorageReader
 from hp_dcp_hf.storage.broadcast import agree_on_failure, should_broadcast
 from hp_dcp_hf.storage.writer import HFStorageWriter
+from hp_dcp_hf.written import WriteCheck, finish_through_load_state_dict, hook_made_entries
 
 Loader = Literal["dcp", "legacy"]
 
@@ -65,12 +66,14 @@ def load_hf_checkpoint(
     *,
     loader: Loader = "dcp",
     weights_mapping: Sequence[WeightTransform] | None = None,
+    config: Any = None,
     strict: bool = True,
     unexpected: Unexpected = "warn",
     external_target_fqns: Collection[str] = (),
     claimed_source_keys: Collection[str] = (),
     reader: HFStorageReader | None = None,
     planner: HFMappingPlanner | None = None,
+    check_written: bool = False,
     **reader_options: Any,
 ) -> LoadReport:
     """Load the Hugging Face checkpoint at ``path`` into ``model`` in place; every rank calls it.
@@ -90,6 +93,13 @@ def load_hf_checkpoint(
     rank 0, with their number and first names), ``"raise"`` or ``"ignore"``, as in
     :class:`HFMappingPlanner`.
 
+    The values land in the model's own parameters and buffers also when its ``state_dict()``
+    hands out hook-made tensors (torchtitan's fused attention): those are finished through the
+    module's ``load_state_dict`` (:mod:`hp_dcp_hf.written`). ``config`` is where conversion ops
+    read model facts (default ``model.config``). ``check_written=True`` is a debug mode: the
+    model is filled with NaN first, and a tensor the load should have written but did not is a
+    :class:`~hp_dcp_hf.errors.PlanningError` (a checkpoint holding NaN trips it too).
+
     ``reader`` and ``planner`` may be built by the caller, to read their statistics afterwards;
     a given planner brings its own mapping options and ``loader`` choice (its ``trace``).
     """
@@ -98,6 +108,7 @@ def load_hf_checkpoint(
     planner = planner or HFMappingPlanner(
         model,
         weights_mapping=weights_mapping,
+        config=config,
         strict=strict,
         unexpected=unexpected,
         external_target_fqns=external_target_fqns,
@@ -106,21 +117,33 @@ def load_hf_checkpoint(
     )
     reader = reader if reader is not None else HFStorageReader(path, **reader_options)
     error: BaseException | None = None
+    state_dict = model.state_dict()
+    copies = hook_made_entries(model, state_dict, planner.external_target_fqns)
+    check = WriteCheck(model) if check_written else None
     try:
         with _quiet_dcp():
             # Each rank plans its own reads from the metadata rank 0 broadcast: nothing to
             # coordinate, so DCP's gather and scatter of every rank's plan through rank 0 (O(world)
             # pickled plans there) is skipped; the ranks agree on the outcome below instead.
-            dcp.load(model.state_dict(), storage_reader=reader, planner=planner, no_dist=True)
+            dcp.load(state_dict, storage_reader=reader, planner=planner, no_dist=True)
+        if copies:
+            finish_through_load_state_dict(model, state_dict, copies)
+        if check is not None:
+            assert planner.report is not None
+            check.check({*planner.report.missing_keys, *planner.external_target_fqns})
     except CheckpointException as exc:
         # torch's dcp.load reduces an error of read_metadata to an AssertionError with its text:
         # the reader kept the error itself.
         error = reader.metadata_error or unwrap_checkpoint_exception(exc)
+    except HPDCPHFError as exc:
+        error = exc
     if isinstance(error, MissingKeysError):
         error = _architecture_mismatch(model, reader, error) or error
     if should_broadcast() and not getattr(error, "agreed", False):  # a cooperative read agreed already
         error = agree_on_failure(error)
     if error is not None:
+        if check is not None:
+            check.restore()
         error.touched_keys = tuple(sorted(planner.touched_targets))  # type: ignore[attr-defined]
         raise error from None
     assert planner.report is not None

@@ -172,6 +172,9 @@ class HFMappingPlanner(LoadPlanner):
             transformers (for a ``PreTrainedModel``) unless ``weights_mapping`` is given; the
             stages recorded with :func:`hp_dcp_hf.add_weight_mapping` follow.
         weights_mapping: the checkpoint -> canonical model mapping, instead of transformers' own.
+        config: where conversion ops read model facts (``PermuteForRope``'s ``num_attention_heads``);
+            default ``model.config``. A model without one (a framework's own class) passes it here:
+            an op that needs a fact the config lacks raises :class:`MappingError`, never guesses.
         strict: raise :class:`MissingKeysError` during planning when a model tensor is not made.
         unexpected: checkpoint tensors no model tensor is made from, less those the model's class
             ignores (:func:`reportable_unexpected`): ``"warn"`` (by :func:`~hp_dcp_hf.load_hf_checkpoint`,
@@ -197,6 +200,7 @@ class HFMappingPlanner(LoadPlanner):
         model: nn.Module,
         *,
         weights_mapping: Sequence[WeightTransform] | None = None,
+        config: Any = None,
         strict: bool = True,
         unexpected: Unexpected = "warn",
         external_target_fqns: Collection[str] = (),
@@ -211,6 +215,7 @@ class HFMappingPlanner(LoadPlanner):
         self.replicas = replicas
         self.trace = trace
         self.weights_mapping = weights_mapping
+        self.config = config if config is not None else getattr(model, "config", None)
         self.strict = strict
         if unexpected not in get_args(Unexpected):
             raise ArgumentError(f"unexpected must be one of {get_args(Unexpected)}, got {unexpected!r}")
@@ -337,7 +342,7 @@ class HFMappingPlanner(LoadPlanner):
             wanted,
             stage_shapes=[{}, *recorded_source_shapes(self.model)],
             model=self.model,
-            config=getattr(self.model, "config", None),
+            config=self.config,
             base_model_prefix=getattr(self.model, "base_model_prefix", None),
             trace=self.trace,
             share_structure=self.share_structure,

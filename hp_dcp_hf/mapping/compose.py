@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 
 import torch
 from transformers.core_model_loading import (
+    PermuteForRope,
     WeightConverter,
     WeightRenaming,
     WeightTransform,
@@ -68,6 +69,22 @@ class Opaque:
 Traced = Bound | Opaque
 
 
+def require_model_facts(transform: WeightTransform, config: Any) -> None:
+    """Refuse an op that would read a model fact the config lacks: transformers' ``PermuteForRope``
+    takes ``num_attention_heads`` from the config and silently permutes as one head without it."""
+    for op in getattr(transform, "operations", None) or ():
+        if isinstance(op, PermuteForRope):
+            facts = getattr(config, op.subconfig_key, config) if op.subconfig_key else config
+            heads = getattr(facts, "num_attention_heads", None)
+            if not isinstance(heads, int) or heads < 1:
+                where = f"config.{op.subconfig_key}" if op.subconfig_key else "config"
+                raise MappingError(
+                    f"{transform}: PermuteForRope needs the head count ({where}.num_attention_heads), and the "
+                    f"config has none ({type(config).__name__}); pass config= with num_attention_heads to the "
+                    "planner or load call"
+                )
+
+
 @dataclass
 class Group:
     """One transform of one stage with the tensors it collected, as transformers groups them.
@@ -94,6 +111,7 @@ class Group:
             transform: WeightTransform = WeightRenaming(self.inputs[0][1], self.first_target)
         else:
             transform = copy.deepcopy(self.transform)
+            require_model_facts(transform, config)
         for renamed, source, pattern in self.inputs:
             transform.add_tensor(renamed, source, pattern, partial(fetch, source))
         out = transform.convert(self.first_target, model=model, config=config)
