@@ -533,9 +533,7 @@ def _save_dtype(choice: str, entries: Any) -> Any:
         return None
     if choice != "checkpoint":
         return parse_dtype(choice)
-    from hp_dcp_hf.storage.dtypes import lookup_dtype
-
-    dtypes = {lookup_dtype(e.dtype_name, file=e.file, key=e.key).torch_dtype for e in entries}
+    dtypes = {e.dtype for e in entries}
     floating = [d for d in dtypes if d.is_floating_point]
     return floating[0] if len(floating) == 1 and floating[0].itemsize > 1 else None
 

@@ -225,7 +225,7 @@ def test_a_failed_load_under_torchrun_prints_one_line_from_rank_0(tiny_checkpoin
         capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path,
     )
     assert run.returncode != 0
-    [ours] = [line for line in run.stderr.splitlines() if line.startswith("hp-dcp-hf")]
+    [ours] = [line for line in run.stderr.splitlines() if line.startswith("hp-dcp-hf: error")]
     assert ours.startswith("hp-dcp-hf: error: on rank 0: file 'model-00002-of-00003.safetensors', key '"), ours
     assert ours.endswith("': model.safetensors.index.json maps keys to a missing file"), ours
     assert "Global metadata is not found" not in run.stderr
