@@ -1,6 +1,8 @@
 """Quantized checkpoints, read as the values they stand for.
 
-Two formats, as transformers' quantizers define them:
+compressed-tensors checkpoints (``quant_method: "compressed-tensors"``: INT4/INT8 packed, FP8,
+NVFP4, MXFP4/6/8, per group, channel, tensor or block) are :mod:`hp_dcp_hf.mapping.compressed`'s.
+Two formats as transformers' quantizers define them are here:
 
 * **FP8 block-scaled** (``quant_method: "fp8"``; DeepSeek-V3/R1, Qwen3-FP8): a weight ``W`` is stored
   as float8 with one scale per block of ``weight_block_size`` (128 x 128) in ``W_scale_inv``; the
@@ -55,7 +57,8 @@ class QuantizedTensor(Protocol):
 
     def values(self, parts: Mapping[str, torch.Tensor], box: Box, dtype: torch.dtype) -> torch.Tensor:
         """The values of ``box`` from ``parts`` (each :meth:`reads` box as read, by key), in
-        ``dtype`` or in float32 (cast on the copy into the destination either way)."""
+        ``dtype``, in float32 or in the dtype the format's own decompression ends in (cast on the
+        copy into the destination in every case)."""
 
 
 @dataclass(frozen=True)
@@ -231,8 +234,12 @@ def quantized_tensors(
 
     A weight is quantized when its companions are in the checkpoint; a float8 weight without its
     scales, blocks without scales and a grid that does not fit its weight are errors, as is a
-    ``quant_method`` other than block-scaled FP8 and MXFP4.
+    ``quant_method`` other than block-scaled FP8, MXFP4 and compressed-tensors.
     """
+    from hp_dcp_hf.mapping import compressed
+
+    if quantization_config.get("quant_method") == compressed.QUANT_METHOD:
+        return compressed.compressed_tensors(quantization_config, sources)
     from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
     from transformers.quantizers.quantizer_mxfp4 import Mxfp4HfQuantizer
 
@@ -242,7 +249,7 @@ def quantized_tensors(
     if isinstance(quantizer, Mxfp4HfQuantizer):
         return _mxfp4(quantizer, sources)
     raise QuantizationError(f"quant_method {quantization_config.get('quant_method')!r} is not a format this loader "
-                            "reads as values (block-scaled fp8, mxfp4)", file=_CONFIG_FILE)
+                            "reads as values (block-scaled fp8, mxfp4, compressed-tensors)", file=_CONFIG_FILE)
 
 
 def _block_scaled(
