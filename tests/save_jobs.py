@@ -79,8 +79,16 @@ def _strike(job: dict[str, Any], rank: int) -> None:
     for other, pid in enumerate(pids):
         if other != rank:
             os.kill(pid, signal.SIGKILL)
-            while Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]:
-                time.sleep(0.01)  # dead (a zombie until the zygote reaps it)
+            while not _dead(pid):
+                time.sleep(0.01)
+
+
+def _dead(pid: int) -> bool:
+    """A zombie (until the zygote reaps it), or gone: reaped between two looks at /proc."""
+    try:
+        return "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+    except FileNotFoundError:
+        return True
 
 
 def _run_rank(job: dict[str, Any], rank: int) -> None:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hp_dcp_hf import HFStorageReader, load_hf_checkpoint
-from hp_dcp_hf.errors import MappingError, MissingKeysError, StorageReadError
+from hp_dcp_hf.errors import ArchitectureMismatchError, MappingError, StorageReadError
 from hp_dcp_hf.launch import run_ranks
 from tests.dist.layouts import apply_layout
 from tests.models import model_class, tiny_config
@@ -53,7 +53,7 @@ def test_mismatches_raise_the_same_error_on_every_rank_before_any_write(tiny_che
     llama = str(tiny_checkpoints("llama").path)
     mixtral = str(tiny_checkpoints("mixtral").path)
     results = run_ranks(2, _planning_failures, llama, mixtral, timeout=120)
-    for case, error_type in (("size", MappingError), ("architecture", MissingKeysError)):
+    for case, error_type in (("size", MappingError), ("architecture", ArchitectureMismatchError)):
         # every rank raises the first failing rank's error: rank 0's own, the others a copy naming it
         outcomes = {(name, message.replace("on rank 0: ", "")) for name, message in (r[case][0] for r in results)}
         assert len(outcomes) == 1, outcomes
@@ -61,6 +61,7 @@ def test_mismatches_raise_the_same_error_on_every_rank_before_any_write(tiny_che
         assert name == error_type.__name__
         assert all(r[case][1] for r in results), f"{case}: a rank's model changed"
     assert "model expects (42, 44), checkpoint makes (43, 44)" in results[0]["size"][0][1]
+    assert "the checkpoint is a 'llama' model" in results[0]["architecture"][0][1]  # named, with the missing keys
     assert "model.layers.0.mlp.experts.gate_up_proj" in results[0]["architecture"][0][1]
 
 
