@@ -61,9 +61,14 @@ def build_model(model_type: str, dtype: torch.dtype = torch.bfloat16, seed: int 
 def linear_weights(model: torch.nn.Module, stored: Mapping[str, torch.Tensor]) -> list[str]:
     """The checkpoint keys of ``Linear`` weights: the model's own ``nn.Linear`` modules, and the
     per-expert projections its conversions fuse (``Linear`` layers in the checkpoint layout)."""
-    linear = {name + ".weight" for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
-    return sorted(k for k, v in stored.items()
-                  if v.ndim == 2 and (k in linear or (".experts." in k and k.endswith("proj.weight"))))
+    linear = {
+        name + ".weight" for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)
+    }
+    return sorted(
+        k
+        for k, v in stored.items()
+        if v.ndim == 2 and (k in linear or (".experts." in k and k.endswith("proj.weight")))
+    )
 
 
 def _container(shapes: Mapping[str, tuple[int, int]], dtype: torch.dtype) -> torch.nn.Module:
@@ -182,7 +187,9 @@ def compress_modules(
 
 
 def decompress_tensors(
-    stored: Mapping[str, torch.Tensor], quantization_config: Mapping[str, Any], shapes: Mapping[str, tuple[int, int]]
+    stored: Mapping[str, torch.Tensor],
+    quantization_config: Mapping[str, Any],
+    shapes: Mapping[str, tuple[int, int]],
 ) -> dict[str, torch.Tensor]:
     """compressed-tensors' decompression of checkpoint tensors ``stored`` whose compressed modules
     have (out, in) ``shapes``: each compressed module's ``weight`` (in the dtype compressed-tensors
@@ -197,7 +204,9 @@ def decompress_tensors(
     from compressed_tensors.quantization import QuantizationMetadata, apply_quantization_config
     from transformers.utils.quantization_config import CompressedTensorsConfig
 
-    compressor = ModelCompressor.from_compression_config(CompressedTensorsConfig.from_dict(dict(quantization_config)))
+    compressor = ModelCompressor.from_compression_config(
+        CompressedTensorsConfig.from_dict(dict(quantization_config))
+    )
     container = _container(shapes, torch.bfloat16)
     apply_quantization_config(container, compressor.quantization_config, show_progress=False)
     compressor.compress_model(container)
@@ -206,8 +215,11 @@ def decompress_tensors(
             param.data = stored[f"{module}.{name}"].clone()
     compressor.decompress_model(container)
     qparams = set(QuantizationMetadata.all_qparam_names()) | {"weight_packed", "q_scale"}
-    out = {k: v for k, v in stored.items()
-           if k.rpartition(".")[0] not in shapes and k.rpartition(".")[2] not in qparams}
+    out = {
+        k: v
+        for k, v in stored.items()
+        if k.rpartition(".")[0] not in shapes and k.rpartition(".")[2] not in qparams
+    }
     for module in shapes:
         out[f"{module}.weight"] = container.get_submodule(module).weight.data.clone()
     return out
@@ -256,8 +268,9 @@ def write_twin(path: Path, twin: Path, shapes: Mapping[str, tuple[int, int]]) ->
     ``config.json`` without ``quantization_config``."""
     import shutil
 
-    values = decompress_tensors(read_tensors(path), json.loads((path / "config.json").read_text())["quantization_config"],
-                                shapes)
+    values = decompress_tensors(
+        read_tensors(path), json.loads((path / "config.json").read_text())["quantization_config"], shapes
+    )
     shutil.copytree(path, twin)
     index = json.loads((twin / INDEX).read_text())
     files = {}
@@ -273,3 +286,123 @@ def write_twin(path: Path, twin: Path, shapes: Mapping[str, tuple[int, int]]) ->
     config = json.loads((twin / "config.json").read_text())
     del config["quantization_config"]
     (twin / "config.json").write_text(json.dumps(config, indent=2))
+
+
+# -- the checkpoints the tests load ------------------------------------------------------------------
+
+
+def weights_args(num_bits: int, kind: str = "int", strategy: str = "group", **more) -> dict:
+    """A config group's ``weights``."""
+    return {"num_bits": num_bits, "type": kind, "strategy": strategy, **more}
+
+
+DYNAMIC_INT8 = {"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True}
+LLAMA48 = {
+    "hidden_size": 48,
+    "intermediate_size": 80,
+    "head_dim": 12,
+    "num_key_value_heads": 4,
+}  # tp=4 shards it
+LLAMA64 = {"hidden_size": 64, "intermediate_size": 96, "head_dim": 16, "num_key_value_heads": 4}
+QWEN48 = {"hidden_size": 48, "moe_intermediate_size": 32, "head_dim": 12, "num_key_value_heads": 4}
+
+#: name -> (model type, config groups, ignore, config overrides, dtype): one checkpoint per format
+#: and strategy compressed-tensors 0.20 writes for Linear weights, and a mixed-precision one.
+CASES = {
+    "fp8-tensor": ("llama", {"FP8": ["Linear"]}, ("lm_head",), {}, torch.bfloat16),  # static input_scale
+    "fp8-channel": ("deepseek_v3", {"FP8_DYNAMIC": ["Linear"]}, ("lm_head",), {}, torch.bfloat16),
+    "fp8-block": (
+        "deepseek_v3",
+        {
+            "g": {
+                "targets": ["Linear"],
+                "weights": weights_args(8, "float", "block", block_structure=[16, 16]),
+            }
+        },
+        ("lm_head",),
+        {},
+        torch.float32,
+    ),  # fp32 scales
+    "fp8-group": (
+        "qwen3_moe",
+        {"g": {"targets": ["Linear"], "weights": weights_args(8, "float", group_size=4)}},
+        ("lm_head",),
+        {},
+        torch.bfloat16,
+    ),  # naive-quantized: no activation scheme
+    "int8-channel": ("qwen3_moe", {"INT8": ["Linear"]}, ("lm_head",), {}, torch.bfloat16),
+    "int8-asym-group": (
+        "qwen3_moe",
+        {
+            "g": {
+                "targets": ["Linear"],
+                "weights": weights_args(8, group_size=4, symmetric=False),
+                "input_activations": DYNAMIC_INT8,
+            }
+        },
+        ("lm_head",),
+        {},
+        torch.bfloat16,
+    ),
+    "w4a16": (
+        "llama",
+        {"g": {"targets": ["Linear"], "weights": weights_args(4, group_size=16)}},
+        (),
+        LLAMA48,
+        torch.bfloat16,
+    ),
+    "w4a16-asym": (
+        "llama",
+        {"g": {"targets": ["Linear"], "weights": weights_args(4, group_size=16, symmetric=False)}},
+        (),
+        LLAMA48,
+        torch.bfloat16,
+    ),
+    "w4-channel-asym": (
+        "llama",
+        {"g": {"targets": ["Linear"], "weights": weights_args(4, strategy="channel", symmetric=False)}},
+        ("lm_head",),
+        LLAMA48,
+        torch.bfloat16,
+    ),
+    "w8a16-pack": (
+        "llama",
+        {"g": {"targets": ["Linear"], "weights": weights_args(8, group_size=16)}},
+        ("lm_head",),
+        LLAMA48,
+        torch.bfloat16,
+    ),
+    "w3a16": (
+        "llama",
+        {"g": {"targets": ["Linear"], "weights": weights_args(3, group_size=16)}},
+        ("lm_head",),
+        LLAMA48,
+        torch.bfloat16,
+    ),  # 32 values in 3 words: values straddle words
+    "nvfp4": ("qwen3_moe", {"NVFP4": ["Linear"]}, ("lm_head",), QWEN48, torch.bfloat16),  # input_global_scale
+    "mxfp4": ("llama", {"MXFP4A16": ["Linear"]}, ("lm_head",), LLAMA64, torch.bfloat16),
+    "mxfp6": ("llama", {"MXFP6A16": ["Linear"]}, ("lm_head",), LLAMA64, torch.bfloat16),
+    "mxfp8": ("llama", {"MXFP8A16": ["Linear"]}, ("lm_head",), LLAMA64, torch.bfloat16),
+    "mixed": (
+        "qwen3_moe",
+        {  # Kimi-K2's layout: FP8 attention, INT4 experts
+            "attention": {
+                "targets": ["re:.*self_attn.*"],
+                "weights": weights_args(8, "float", "channel"),
+                "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True},
+            },
+            "experts": {"targets": ["re:.*mlp.experts.*"], "weights": weights_args(4, group_size=16)},
+        },
+        ("lm_head",),
+        QWEN48,
+        torch.bfloat16,
+    ),
+}
+
+
+def make_case(name: str, directory: Path) -> CompressedCheckpoint:
+    """The checkpoint of ``CASES[name]`` under ``directory``."""
+    model_type, groups, ignore, overrides, dtype = CASES[name]
+    return make_compressed_checkpoint(
+        model_type, directory, groups, ignore=ignore, dtype=dtype, overrides=overrides
+    )

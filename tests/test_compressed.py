@@ -25,71 +25,37 @@ from hp_dcp_hf.mapping.compose import TensorSpec
 from hp_dcp_hf.mapping.compressed import compressed_tensors
 from hp_dcp_hf.toolkit import plan_ranks
 from tests.compressed import (
+    CASES,
+    DYNAMIC_INT8,
     compress_modules,
     decompress_tensors,
-    make_compressed_checkpoint,
+    make_case,
     read_tensors,
+    weights_args,
 )
 from tests.families import family_model_class, load_family_reference
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
-def _weights(num_bits: int, kind: str = "int", strategy: str = "group", **more) -> dict:
-    return {"num_bits": num_bits, "type": kind, "strategy": strategy, **more}
-
-
-DYNAMIC_INT8 = {"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True}
-LLAMA48 = {"hidden_size": 48, "intermediate_size": 80, "head_dim": 12, "num_key_value_heads": 4}  # tp=4 shards it
-LLAMA64 = {"hidden_size": 64, "intermediate_size": 96, "head_dim": 16}
-QWEN48 = {"hidden_size": 48, "moe_intermediate_size": 32, "head_dim": 12}
-
-#: name -> (model type, config groups, ignore, config overrides, dtype): one checkpoint per format
-#: and strategy compressed-tensors 0.20 writes for Linear weights, and a mixed-precision one.
-CASES = {
-    "fp8-tensor": ("llama", {"FP8": ["Linear"]}, ("lm_head",), {}, torch.bfloat16),  # static input_scale
-    "fp8-channel": ("deepseek_v3", {"FP8_DYNAMIC": ["Linear"]}, ("lm_head",), {}, torch.bfloat16),
-    "fp8-block": ("deepseek_v3", {"g": {"targets": ["Linear"], "weights": _weights(
-        8, "float", "block", block_structure=[16, 16])}}, ("lm_head",), {}, torch.float32),  # fp32 scales
-    "fp8-group": ("qwen3_moe", {"g": {"targets": ["Linear"], "weights": _weights(8, "float", group_size=4)}},
-                  ("lm_head",), {}, torch.bfloat16),  # naive-quantized: no activation scheme
-    "int8-channel": ("qwen3_moe", {"INT8": ["Linear"]}, ("lm_head",), {}, torch.bfloat16),
-    "int8-asym-group": ("qwen3_moe", {"g": {"targets": ["Linear"], "weights": _weights(8, group_size=4, symmetric=False),
-                                            "input_activations": DYNAMIC_INT8}}, ("lm_head",), {}, torch.bfloat16),
-    "w4a16": ("llama", {"g": {"targets": ["Linear"], "weights": _weights(4, group_size=16)}}, (), LLAMA48,
-              torch.bfloat16),
-    "w4a16-asym": ("llama", {"g": {"targets": ["Linear"], "weights": _weights(4, group_size=16, symmetric=False)}},
-                   (), LLAMA48, torch.bfloat16),
-    "w4-channel-asym": ("llama", {"g": {"targets": ["Linear"], "weights": _weights(4, strategy="channel",
-                                                                                  symmetric=False)}},
-                        ("lm_head",), LLAMA48, torch.bfloat16),
-    "w8a16-pack": ("llama", {"g": {"targets": ["Linear"], "weights": _weights(8, group_size=16)}}, ("lm_head",),
-                   LLAMA48, torch.bfloat16),
-    "w3a16": ("llama", {"g": {"targets": ["Linear"], "weights": _weights(3, group_size=16)}}, ("lm_head",), LLAMA48,
-              torch.bfloat16),  # 32 values in 3 words: values straddle words
-    "nvfp4": ("qwen3_moe", {"NVFP4": ["Linear"]}, ("lm_head",), QWEN48, torch.bfloat16),  # input_global_scale
-    "mxfp4": ("llama", {"MXFP4A16": ["Linear"]}, ("lm_head",), LLAMA64, torch.bfloat16),
-    "mxfp6": ("llama", {"MXFP6A16": ["Linear"]}, ("lm_head",), LLAMA64, torch.bfloat16),
-    "mxfp8": ("llama", {"MXFP8A16": ["Linear"]}, ("lm_head",), LLAMA64, torch.bfloat16),
-    "mixed": ("qwen3_moe", {  # Kimi-K2's layout: FP8 attention, INT4 experts
-        "attention": {"targets": ["re:.*self_attn.*"], "weights": _weights(8, "float", "channel"),
-                      "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}},
-        "experts": {"targets": ["re:.*mlp.experts.*"], "weights": _weights(4, group_size=16)},
-    }, ("lm_head",), QWEN48, torch.bfloat16),
-}
 FORMATS = {  # the format compressed-tensors chose for each case
-    "fp8-tensor": "float-quantized", "fp8-channel": "float-quantized", "fp8-block": "naive-quantized",
-    "fp8-group": "naive-quantized", "int8-channel": "int-quantized", "int8-asym-group": "int-quantized",
-    "w4a16": "pack-quantized", "w4a16-asym": "pack-quantized", "w4-channel-asym": "pack-quantized",
-    "w8a16-pack": "pack-quantized", "w3a16": "pack-quantized", "nvfp4": "nvfp4-pack-quantized",
-    "mxfp4": "mxfp4-pack-quantized", "mxfp6": "mxfp6-pack-quantized", "mxfp8": "mxfp8-quantized",
+    "fp8-tensor": "float-quantized",
+    "fp8-channel": "float-quantized",
+    "fp8-block": "naive-quantized",
+    "fp8-group": "naive-quantized",
+    "int8-channel": "int-quantized",
+    "int8-asym-group": "int-quantized",
+    "w4a16": "pack-quantized",
+    "w4a16-asym": "pack-quantized",
+    "w4-channel-asym": "pack-quantized",
+    "w8a16-pack": "pack-quantized",
+    "w3a16": "pack-quantized",
+    "nvfp4": "nvfp4-pack-quantized",
+    "mxfp4": "mxfp4-pack-quantized",
+    "mxfp6": "mxfp6-pack-quantized",
+    "mxfp8": "mxfp8-quantized",
     "mixed": "float-quantized,pack-quantized",
 }
-
-
-def make_case(name: str, directory):
-    model_type, groups, ignore, overrides, dtype = CASES[name]
-    return make_compressed_checkpoint(model_type, directory, groups, ignore=ignore, dtype=dtype, overrides=overrides)
 
 
 @pytest.fixture(scope="module")
@@ -111,24 +77,58 @@ def checkpoints(tmp_path_factory):
 WEIGHTS = {
     "fp8-tensor": ((37, 45), {"FP8": ["Linear"]}),
     "fp8-channel": ((37, 45), {"FP8_DYNAMIC": ["Linear"]}),
-    "fp8-group": ((37, 45), {"g": {"targets": ["Linear"], "weights": _weights(8, "float", group_size=5)}}),
-    "fp8-block": ((37, 45), {"g": {"targets": ["Linear"], "weights": _weights(8, "float", "block",
-                                                                              block_structure=[16, 16])}}),
-    "int8-asym-tensor": ((37, 45), {"g": {"targets": ["Linear"], "weights": _weights(8, strategy="tensor",
-                                                                                     symmetric=False),
-                                          "input_activations": DYNAMIC_INT8}}),
-    "int8-asym-group": ((37, 45), {"g": {"targets": ["Linear"], "weights": _weights(8, group_size=9, symmetric=False),
-                                         "input_activations": DYNAMIC_INT8}}),
-    "w4-group": ((37, 56), {"g": {"targets": ["Linear"], "weights": _weights(4, group_size=8)}}),
-    "w4-asym-group": ((37, 56), {"g": {"targets": ["Linear"], "weights": _weights(4, group_size=8, symmetric=False)}}),
-    "w4-asym-channel": ((37, 56), {"g": {"targets": ["Linear"], "weights": _weights(4, strategy="channel",
-                                                                                    symmetric=False)}}),
-    "w4-asym-tensor": ((37, 56), {"g": {"targets": ["Linear"], "weights": _weights(4, strategy="tensor",
-                                                                                   symmetric=False)}}),
-    "w2-channel": ((37, 64), {"g": {"targets": ["Linear"], "weights": _weights(2, strategy="channel")}}),
-    "w3-asym-group": ((37, 64), {"g": {"targets": ["Linear"], "weights": _weights(3, group_size=16,
-                                                                                  symmetric=False)}}),
-    "w8-pack-group": ((37, 48), {"g": {"targets": ["Linear"], "weights": _weights(8, group_size=16)}}),
+    "fp8-group": (
+        (37, 45),
+        {"g": {"targets": ["Linear"], "weights": weights_args(8, "float", group_size=5)}},
+    ),
+    "fp8-block": (
+        (37, 45),
+        {
+            "g": {
+                "targets": ["Linear"],
+                "weights": weights_args(8, "float", "block", block_structure=[16, 16]),
+            }
+        },
+    ),
+    "int8-asym-tensor": (
+        (37, 45),
+        {
+            "g": {
+                "targets": ["Linear"],
+                "weights": weights_args(8, strategy="tensor", symmetric=False),
+                "input_activations": DYNAMIC_INT8,
+            }
+        },
+    ),
+    "int8-asym-group": (
+        (37, 45),
+        {
+            "g": {
+                "targets": ["Linear"],
+                "weights": weights_args(8, group_size=9, symmetric=False),
+                "input_activations": DYNAMIC_INT8,
+            }
+        },
+    ),
+    "w4-group": ((37, 56), {"g": {"targets": ["Linear"], "weights": weights_args(4, group_size=8)}}),
+    "w4-asym-group": (
+        (37, 56),
+        {"g": {"targets": ["Linear"], "weights": weights_args(4, group_size=8, symmetric=False)}},
+    ),
+    "w4-asym-channel": (
+        (37, 56),
+        {"g": {"targets": ["Linear"], "weights": weights_args(4, strategy="channel", symmetric=False)}},
+    ),
+    "w4-asym-tensor": (
+        (37, 56),
+        {"g": {"targets": ["Linear"], "weights": weights_args(4, strategy="tensor", symmetric=False)}},
+    ),
+    "w2-channel": ((37, 64), {"g": {"targets": ["Linear"], "weights": weights_args(2, strategy="channel")}}),
+    "w3-asym-group": (
+        (37, 64),
+        {"g": {"targets": ["Linear"], "weights": weights_args(3, group_size=16, symmetric=False)}},
+    ),
+    "w8-pack-group": ((37, 48), {"g": {"targets": ["Linear"], "weights": weights_args(8, group_size=16)}}),
     "nvfp4": ((37, 64), {"NVFP4": ["Linear"]}),
     "mxfp4": ((37, 64), {"MXFP4A16": ["Linear"]}),
     "mxfp6": ((37, 64), {"MXFP6A16": ["Linear"]}),
@@ -141,7 +141,9 @@ def _compressed_weight(name: str, dtype: torch.dtype = torch.bfloat16):
     :class:`CompressedWeight` read from their specs, and compressed-tensors' decompression."""
     shape, groups = WEIGHTS[name]
     generator = torch.Generator().manual_seed(len(name))
-    weight = (torch.randn(shape, generator=generator) * torch.rand(shape[0], 1, generator=generator)).to(dtype)
+    weight = (torch.randn(shape, generator=generator) * torch.rand(shape[0], 1, generator=generator)).to(
+        dtype
+    )
     compressed, config = compress_modules({"m": weight}, groups)
     stored = {f"m.{param}": tensor for param, tensor in compressed["m"].items()}
     sources = {key: TensorSpec(tuple(t.shape), t.dtype) for key, t in stored.items()}
@@ -186,21 +188,49 @@ def test_a_box_reads_its_words_and_the_groups_covering_it():
     assert tuple(stored["m.weight_zero_point"].shape) == (5, 7)  # 37 rows in words of 8
 
 
-@pytest.mark.parametrize(("name", "box", "expected"), [
-    ("w3-asym-group", Box((0, 40), (2, 10)), {"m.weight_packed": Box((0, 3), (2, 3)),  # 32 values in 3 words
-                                                "m.weight_scale": Box((0, 2), (2, 2)),
-                                                "m.weight_zero_point": Box((0, 2), (3, 2))}),  # 3 words: 32 rows
-    ("nvfp4", Box((3, 15), (4, 2)), {"m.weight_packed": Box((3, 7), (4, 2)), "m.weight_scale": Box((3, 0), (4, 2)),
-                                     "m.weight_global_scale": Box((0,), (1,))}),
-    ("mxfp6", Box((0, 5), (1, 30)), {"m.weight_packed": Box((0, 3), (1, 24)), "m.weight_scale": Box((0, 0), (1, 2))}),
-    ("fp8-block", Box((15, 3), (2, 30)), {"m.weight": Box((15, 3), (2, 30)), "m.weight_scale": Box((0, 0), (2, 3))}),
-    ("fp8-tensor", Box((1, 1), (2, 2)), {"m.weight": Box((1, 1), (2, 2)), "m.weight_scale": Box((0,), (1,))}),
-])
+@pytest.mark.parametrize(
+    ("name", "box", "expected"),
+    [
+        (
+            "w3-asym-group",
+            Box((0, 40), (2, 10)),
+            {
+                "m.weight_packed": Box((0, 3), (2, 3)),  # 32 values in 3 words
+                "m.weight_scale": Box((0, 2), (2, 2)),
+                "m.weight_zero_point": Box((0, 2), (3, 2)),
+            },
+        ),  # 3 words: 32 rows
+        (
+            "nvfp4",
+            Box((3, 15), (4, 2)),
+            {
+                "m.weight_packed": Box((3, 7), (4, 2)),
+                "m.weight_scale": Box((3, 0), (4, 2)),
+                "m.weight_global_scale": Box((0,), (1,)),
+            },
+        ),
+        (
+            "mxfp6",
+            Box((0, 5), (1, 30)),
+            {"m.weight_packed": Box((0, 3), (1, 24)), "m.weight_scale": Box((0, 0), (1, 2))},
+        ),
+        (
+            "fp8-block",
+            Box((15, 3), (2, 30)),
+            {"m.weight": Box((15, 3), (2, 30)), "m.weight_scale": Box((0, 0), (2, 3))},
+        ),
+        (
+            "fp8-tensor",
+            Box((1, 1), (2, 2)),
+            {"m.weight": Box((1, 1), (2, 2)), "m.weight_scale": Box((0,), (1,))},
+        ),
+    ],
+)
 def test_reads_are_whole_units_and_covering_scales(name, box, expected):
     """3-bit values: a box touching values 40..49 reads the 3 words of the 32-value unit 32..63;
     NVFP4 columns 15, 16 read bytes 7, 8 and the two 16-value scales; FP6 columns [5, 35) read the
-    3-byte units of values [4, 36), bytes [3, 27); naive FP8 reads exactly its values, the 16 x 16 blocks and the
-    one tensor scale covering them."""
+    3-byte units of values [4, 36), bytes [3, 27); naive FP8 reads exactly its values, the 16 x 16
+    blocks and the one tensor scale covering them."""
     _, _, tensor, _, _ = _compressed_weight(name)
     assert dict(tensor.reads(box)) == expected
 
@@ -216,7 +246,10 @@ def test_an_fp32_model_gets_the_bf16_values_compressed_tensors_computes():
     from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
 
     fp4 = unpack_fp4_from_uint8(stored["m.weight_packed"], *whole.shape, dtype=torch.float32)
-    scale = stored["m.weight_scale"].to(torch.float32).repeat_interleave(16, dim=1) / stored["m.weight_global_scale"]
+    scale = (
+        stored["m.weight_scale"].to(torch.float32).repeat_interleave(16, dim=1)
+        / stored["m.weight_global_scale"]
+    )
     assert not torch.equal(fp4 * scale, whole.to(torch.float32))
 
 
@@ -248,8 +281,11 @@ def test_one_process_reads_every_stored_byte_but_the_unused_ones(checkpoints, ca
     shape comes from the metadata) and activation parameters."""
     checkpoint = checkpoints(case)
     plan = plan_ranks(str(checkpoint.path), "dp=1", dtype=torch.bfloat16)
-    unused = sum(t.numel() * t.element_size() for k, t in read_tensors(checkpoint.path).items()
-                 if k.endswith(("weight_shape", "input_scale", "input_global_scale", "input_zero_point")))
+    unused = sum(
+        t.numel() * t.element_size()
+        for k, t in read_tensors(checkpoint.path).items()
+        if k.endswith(("weight_shape", "input_scale", "input_global_scale", "input_zero_point"))
+    )
     assert plan["ranks"][0].bytes_needed == plan["checkpoint_bytes"] - unused
     assert case != "w4a16-asym" or unused > 0
 
@@ -271,7 +307,9 @@ def test_row_shards_read_their_rows_and_zero_point_words(checkpoints):
     checkpoint = checkpoints("w4a16-asym")
     plan = plan_ranks(str(checkpoint.path), "dp=4", dtype=torch.bfloat16, with_items=True)
     stored = read_tensors(checkpoint.path)
-    packed, scale, zero = (stored[f"lm_head.{n}"] for n in ("weight_packed", "weight_scale", "weight_zero_point"))
+    packed, scale, zero = (
+        stored[f"lm_head.{n}"] for n in ("weight_packed", "weight_scale", "weight_zero_point")
+    )
     assert tuple(packed.shape) == (101, 6) and tuple(zero.shape) == (13, 3)
     zero_rows = []
     for rank, rank_plan in enumerate(plan["ranks"]):
@@ -318,8 +356,9 @@ def test_transformers_dequantize_gets_moe_experts_wrong(checkpoints):
         ours, _ = hp_dcp_hf.from_pretrained(str(checkpoint.path), dtype=dtype, model_cls=cls)
         assert all(torch.equal(v, reference[k]) for k, v in ours.state_dict().items()), case
         try:
-            theirs = cls.from_pretrained(checkpoint.path, dtype=dtype,
-                                         quantization_config=CompressedTensorsConfig(dequantize=True)).state_dict()
+            theirs = cls.from_pretrained(
+                checkpoint.path, dtype=dtype, quantization_config=CompressedTensorsConfig(dequantize=True)
+            ).state_dict()
         except RuntimeError as e:
             assert "conversion" in str(e)
             outcomes[case] = "raises"
@@ -328,11 +367,18 @@ def test_transformers_dequantize_gets_moe_experts_wrong(checkpoints):
         outcomes[case] = wrong or "exact"
         if case == "nvfp4":
             assert wrong and all(".experts." in k for k in wrong)
-            ratios = [float(theirs[k].float().abs().amax() / reference[k].float().abs().amax()) for k in wrong]
+            ratios = [
+                float(theirs[k].float().abs().amax() / reference[k].float().abs().amax()) for k in wrong
+            ]
             assert all(1000 < r < 100000 for r in ratios), ratios
     assert {c: (o if isinstance(o, str) else "wrong") for c, o in outcomes.items()} == {
-        "nvfp4": "wrong", "fp8-group": "raises", "fp8-block": "raises", "int8-channel": "raises",
-        "int8-asym-group": "raises", "fp8-channel": "exact"}
+        "nvfp4": "wrong",
+        "fp8-group": "raises",
+        "fp8-block": "raises",
+        "int8-channel": "raises",
+        "int8-asym-group": "raises",
+        "fp8-channel": "exact",
+    }
 
 
 # -- bad input ---------------------------------------------------------------------------------------------
@@ -371,30 +417,79 @@ def _group(config):
 
 FP8_PROJ = "model.layers.0.mlp.down_proj"
 BAD = {  # case -> (checkpoint, edit, key of the error (None: config.json), words of the message)
-    "unknown format": ("w4a16-asym", {"edit_config": lambda c: _group(c).update(format="marlin-24")}, None,
-                       "'marlin-24'"),
-    "format of nothing": ("w4a16-asym", {"edit_config": lambda c: c.update(format="nonsense") or _group(c).pop("format")},
-                          None, "nonsense"),
-    "targets match nothing": ("w4a16-asym", {"edit_config": lambda c: c["config_groups"].update(
-        extra={**_group(c), "targets": ["re:.*vision_tower.*"]})}, None, "matches no stored compressed tensor"),
-    "untargeted": ("w4a16-asym", {"edit_config": lambda c: c["ignore"].append(PROJ)}, f"{PROJ}.weight_packed",
-                   "ignore"),
-    "scale shape": ("w4a16-asym", {"edit_tensors": lambda t: {
-        k: (v[1:].contiguous() if k == f"{PROJ}.weight_scale" else v) for k, v in t.items()}}, f"{PROJ}.weight_scale",
-                    "does not fit strategy 'group' group_size 16"),
-    "packed length": ("w4a16-asym", {"edit_tensors": _truncated(f"{PROJ}.weight_packed", 9)}, f"{PROJ}.weight_packed",
-                      "does not hold 80 values"),
-    "zero points": ("w4a16-asym", {"edit_tensors": lambda t: {
-        k: v for k, v in t.items() if k != f"{PROJ}.weight_zero_point"}}, f"{PROJ}.weight_packed",
-                    "without its weight_zero_point"),
-    "bad config": ("w4a16-asym", {"edit_config": lambda c: _group(c)["weights"].update(strategy="diagonal")}, None,
-                   "diagonal"),
-    "fp8 without scales": ("fp8-tensor", {"edit_tensors": lambda t: {
-        k: v for k, v in t.items() if k != f"{FP8_PROJ}.weight_scale"}}, f"{FP8_PROJ}.weight",
-                           "float8_e4m3fn weight without its weight_scale"),
-    "channel scales": ("fp8-tensor", {"edit_tensors": lambda t: {
-        k: (v.expand(44, 1).contiguous() if k == f"{FP8_PROJ}.weight_scale" else v) for k, v in t.items()}},
-                       f"{FP8_PROJ}.weight_scale", "does not fit strategy 'tensor'"),
+    "unknown format": (
+        "w4a16-asym",
+        {"edit_config": lambda c: _group(c).update(format="marlin-24")},
+        None,
+        "'marlin-24'",
+    ),
+    "format of nothing": (
+        "w4a16-asym",
+        {"edit_config": lambda c: c.update(format="nonsense") or _group(c).pop("format")},
+        None,
+        "nonsense",
+    ),
+    "targets match nothing": (
+        "w4a16-asym",
+        {
+            "edit_config": lambda c: c["config_groups"].update(
+                extra={**_group(c), "targets": ["re:.*vision_tower.*"]}
+            )
+        },
+        None,
+        "matches no stored compressed tensor",
+    ),
+    "untargeted": (
+        "w4a16-asym",
+        {"edit_config": lambda c: c["ignore"].append(PROJ)},
+        f"{PROJ}.weight_packed",
+        "ignore",
+    ),
+    "scale shape": (
+        "w4a16-asym",
+        {
+            "edit_tensors": lambda t: {
+                k: (v[1:].contiguous() if k == f"{PROJ}.weight_scale" else v) for k, v in t.items()
+            }
+        },
+        f"{PROJ}.weight_scale",
+        "does not fit strategy 'group' group_size 16",
+    ),
+    "packed length": (
+        "w4a16-asym",
+        {"edit_tensors": _truncated(f"{PROJ}.weight_packed", 9)},
+        f"{PROJ}.weight_packed",
+        "does not hold 80 values",
+    ),
+    "zero points": (
+        "w4a16-asym",
+        {"edit_tensors": lambda t: {k: v for k, v in t.items() if k != f"{PROJ}.weight_zero_point"}},
+        f"{PROJ}.weight_packed",
+        "without its weight_zero_point",
+    ),
+    "bad config": (
+        "w4a16-asym",
+        {"edit_config": lambda c: _group(c)["weights"].update(strategy="diagonal")},
+        None,
+        "diagonal",
+    ),
+    "fp8 without scales": (
+        "fp8-tensor",
+        {"edit_tensors": lambda t: {k: v for k, v in t.items() if k != f"{FP8_PROJ}.weight_scale"}},
+        f"{FP8_PROJ}.weight",
+        "float8_e4m3fn weight without its weight_scale",
+    ),
+    "channel scales": (
+        "fp8-tensor",
+        {
+            "edit_tensors": lambda t: {
+                k: (v.expand(44, 1).contiguous() if k == f"{FP8_PROJ}.weight_scale" else v)
+                for k, v in t.items()
+            }
+        },
+        f"{FP8_PROJ}.weight_scale",
+        "does not fit strategy 'tensor'",
+    ),
 }
 
 
@@ -403,8 +498,9 @@ def test_bad_compressed_checkpoints_raise_before_any_write(checkpoints, case, tm
     name, options, key, words = BAD[case]
     checkpoint = checkpoints(name)
     bad = _edit(checkpoint.path, tmp_path / "bad", **options)
-    model = family_model_class(checkpoint.model_type)._from_config(hp_dcp_hf.pipeline.read_config(str(checkpoint.twin)),
-                                                     dtype=torch.bfloat16)
+    model = family_model_class(checkpoint.model_type)._from_config(
+        hp_dcp_hf.pipeline.read_config(str(checkpoint.twin)), dtype=torch.bfloat16
+    )
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(QuantizationError) as raised:
         hp_dcp_hf.load_hf_checkpoint(model, str(bad))
@@ -413,3 +509,36 @@ def test_bad_compressed_checkpoints_raise_before_any_write(checkpoints, case, tm
     if key is None:
         assert raised.value.file == "config.json"
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_legacy_loader_decompresses_whole_tensors(checkpoints):
+    """The legacy loader (whole tensors, conversions run in memory) stages each compressed weight's
+    values whole (one box of the whole tensor): the same values."""
+    checkpoint = checkpoints("mixed")
+    reference = load_family_reference(checkpoint.twin, checkpoint.model_type, torch.bfloat16)
+    model, report = hp_dcp_hf.from_pretrained(
+        str(checkpoint.path),
+        dtype=torch.bfloat16,
+        loader="legacy",
+        model_cls=family_model_class(checkpoint.model_type),
+    )
+    assert report.plan.deferred_targets > 0
+    assert not sorted(k for k, v in model.state_dict().items() if not torch.equal(v, reference[k]))
+
+
+def test_cli_inspect_counts_compressed_weights(checkpoints, capsys):
+    from hp_dcp_hf.cli import main
+
+    checkpoint = checkpoints("w4a16-asym")
+    assert main(["inspect", str(checkpoint.path), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)["quantization"]
+    stored = read_tensors(checkpoint.path)
+    assert info["weights"] == len(checkpoint.compressed)
+    assert info["weight_bytes"] == sum(
+        stored[f"{m}.weight_packed"].numel() * 4 for m in checkpoint.compressed
+    )
+    assert info["scale_bytes"] == sum(
+        stored[f"{m}.{n}"].numel() * stored[f"{m}.{n}"].element_size()
+        for m in checkpoint.compressed
+        for n in ("weight_scale", "weight_zero_point")
+    )

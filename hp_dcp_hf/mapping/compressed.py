@@ -53,7 +53,8 @@ PACKED = frozenset({"pack-quantized", "nvfp4-pack-quantized", "mxfp4-pack-quanti
 DENSE = "dense"
 MX_FORMATS = frozenset({"mxfp8-quantized", "mxfp4-pack-quantized", "mxfp6-pack-quantized"})
 ACTIVATION_PARAMS = frozenset({f"{base}_{suffix}" for base in ("input", "output")
-                               for suffix in ("scale", "zero_point", "global_scale")} | {"k_scale", "v_scale", "q_scale"})
+                               for suffix in ("scale", "zero_point", "global_scale")}
+                              | {"k_scale", "v_scale", "q_scale"})
 """Per-module parameters of activation and KV-cache quantization: consumed, never loaded."""
 _QUANTIZED_DTYPES = frozenset({torch.int8, torch.float8_e4m3fn, torch.float8_e5m2})
 WEIGHT_PARAMS = ("weight_packed", "weight_scale", "weight_zero_point", "weight_global_scale", "weight_shape")
@@ -74,7 +75,8 @@ class Packing:
 
     def span(self, start: int, stop: int, count: int) -> tuple[int, int]:
         """Stored elements ``[lo, hi)`` holding values ``[start, stop)`` of ``count``: whole units."""
-        return start // self.values * self.elements, min(-(-stop // self.values) * self.elements, self.stored(count))
+        end = min(-(-stop // self.values) * self.elements, self.stored(count))
+        return start // self.values * self.elements, end
 
     def values_of(self, part: torch.Tensor, start: int, size: int, dim: int) -> torch.Tensor:
         """Values ``[start, start + size)`` along ``dim`` of ``part``, whose first element opens the
@@ -169,7 +171,9 @@ class CompressedWeight:
         rows, columns = _entry_index(r0, nr, self.grid[0]), _entry_index(c0, nc, self.grid[1])
 
         def per_value(entries: torch.Tensor) -> torch.Tensor:  # broadcast where one entry covers a dim
-            return entries.reshape(1, 1) if self.scale_ndim == 1 else entries.index_select(0, rows).index_select(1, columns)
+            if self.scale_ndim == 1:
+                return entries.reshape(1, 1)
+            return entries.index_select(0, rows).index_select(1, columns)
 
         scale = per_value(self.decode_scale(parts[self.scale]))
         zero_point = None
@@ -216,7 +220,8 @@ def _parse(quantization_config: Mapping[str, Any]):
 
     fields = set(QuantizationConfig.model_fields)
     try:
-        return QuantizationConfig.model_validate({k: v for k, v in quantization_config.items() if k in fields})
+        known = {k: v for k, v in quantization_config.items() if k in fields}  # not version, sparsity
+        return QuantizationConfig.model_validate(known)
     except (ValueError, TypeError) as e:  # pydantic's ValidationError is a ValueError
         raise QuantizationError(f"compressed-tensors quantization_config: {e}", file=CONFIG_FILE) from e
 
@@ -230,8 +235,8 @@ def _group_format(name: str, scheme, config) -> str:
     if value in (None, "None", "mixed-precision"):
         value = infer_module_format(torch.nn.Linear, scheme).value
     if value != DENSE and value not in NAIVE | PACKED:
-        raise QuantizationError(f"config group {name!r}: format {value!r} is not one this loader reads as values "
-                                f"({', '.join(sorted(NAIVE | PACKED))})", file=CONFIG_FILE)
+        raise QuantizationError(f"config group {name!r}: format {value!r} is not one this loader reads as "
+                                f"values ({', '.join(sorted(NAIVE | PACKED))})", file=CONFIG_FILE)
     return value
 
 
@@ -249,7 +254,8 @@ def compressed_tensors(
     from compressed_tensors.utils.match import is_match, match_targets
 
     config = _parse(quantization_config)
-    groups = {name: (scheme, _group_format(name, scheme, config)) for name, scheme in config.config_groups.items()}
+    groups = {name: (scheme, _group_format(name, scheme, config))
+              for name, scheme in config.config_groups.items()}
     target_group = {target: name for name, (scheme, _) in groups.items() for target in scheme.targets}
     modules: dict[str, dict[str, str]] = {}
     for key in sources:
@@ -268,9 +274,9 @@ def compressed_tensors(
         targets = match_targets(module, linear, target_group)
         root = leaves.get("weight_packed", leaves.get("weight"))
         if not targets or is_match(module, linear, config.ignore or ()):
-            raise QuantizationError(
-                f"stored compressed ({', '.join(sorted(set(leaves) & {'weight_packed', 'weight_scale'}))}) but "
-                + ("in the config's ignore list" if targets else "no config group targets it"), key=root)
+            stored = ", ".join(sorted(set(leaves) & {"weight_packed", "weight_scale"}))
+            why = "in the config's ignore list" if targets else "no config group targets it"
+            raise QuantizationError(f"stored compressed ({stored}) but {why}", key=root)
         group = target_group[targets[0]]
         used.add(group)
         scheme, fmt = groups[group]
@@ -278,13 +284,14 @@ def compressed_tensors(
         if fmt == DENSE:
             continue
         if scheme.weights is None:
-            raise QuantizationError(f"stored compressed but its config group {group!r} quantizes no weights", key=root)
+            raise QuantizationError(f"stored compressed but its config group {group!r} quantizes no weights",
+                                    key=root)
         tensor = _weight(module, leaves, sources, scheme.weights, fmt)
         found[tensor.key] = tensor
     for name, (scheme, fmt) in groups.items():
         if scheme.weights is not None and fmt != DENSE and name not in used:
-            raise QuantizationError(f"config group {name!r} (targets {list(scheme.targets)}) matches no stored "
-                                    "compressed tensor", file=CONFIG_FILE)
+            raise QuantizationError(f"config group {name!r} (targets {list(scheme.targets)}) matches no "
+                                    "stored compressed tensor", file=CONFIG_FILE)
     return found, frozenset(consumed)
 
 
@@ -298,14 +305,16 @@ def _linear() -> torch.nn.Module:
 # -- one weight ------------------------------------------------------------------------------------------
 
 
-def _weight(module: str, leaves: Mapping[str, str], sources: Mapping[str, TensorSpec], args, fmt: str) -> CompressedWeight:
+def _weight(
+    module: str, leaves: Mapping[str, str], sources: Mapping[str, TensorSpec], args, fmt: str
+) -> CompressedWeight:
     """The :class:`CompressedWeight` of ``module`` in format ``fmt`` under weight arguments ``args``,
     its stored tensors checked against them."""
     key = f"{module}.weight"
     data = leaves.get("weight" if fmt in NAIVE else "weight_packed")
     if data is None:
-        raise QuantizationError(f"{fmt} stores {'weight' if fmt in NAIVE else 'weight_packed'}; "
-                                f"found {sorted(leaves)}", key=leaves.get("weight", leaves.get("weight_packed")))
+        raise QuantizationError(f"{fmt} stores {'weight' if fmt in NAIVE else 'weight_packed'}; found "
+                                f"{sorted(leaves)}", key=leaves.get("weight", leaves.get("weight_packed")))
     scale = leaves.get("weight_scale")
     if scale is None:
         raise QuantizationError(f"{fmt} weight without its weight_scale", key=data)
@@ -320,7 +329,8 @@ def _weight(module: str, leaves: Mapping[str, str], sources: Mapping[str, Tensor
     _check_shape(scale, sources[scale].shape, scale_shape, args)
     decode, scale_dtypes = _scale_decoding(fmt)
     if sources[scale].dtype not in scale_dtypes:
-        raise QuantizationError(f"scales of dtype {sources[scale].dtype}, expected one of {scale_dtypes}", key=scale)
+        raise QuantizationError(f"scales of dtype {sources[scale].dtype}, expected one of {scale_dtypes}",
+                                key=scale)
     zero_point, zero_point_packing = _zero_point(fmt, args, leaves, sources, scale_shape, data)
     global_scale = None
     if fmt == "nvfp4-pack-quantized":
@@ -328,8 +338,8 @@ def _weight(module: str, leaves: Mapping[str, str], sources: Mapping[str, Tensor
         if global_scale is None:
             raise QuantizationError("nvfp4 weight without its weight_global_scale", key=data)
         if math.prod(sources[global_scale].shape) != 1:
-            raise QuantizationError(f"global scale of shape {tuple(sources[global_scale].shape)}, expected (1,)",
-                                    key=global_scale)
+            raise QuantizationError(f"global scale of shape {tuple(sources[global_scale].shape)}, "
+                                    "expected (1,)", key=global_scale)
     unpacked_dtype = None if fmt in NAIVE or fmt == "pack-quantized" else torch.bfloat16
     return CompressedWeight(key, (rows, cols), data, packing, scale, len(scale_shape), grid, decode,
                             zero_point, zero_point_packing, global_scale, unpacked_dtype)
@@ -337,7 +347,8 @@ def _weight(module: str, leaves: Mapping[str, str], sources: Mapping[str, Tensor
 
 def _matrix(key: str, shape) -> tuple[int, int]:
     if len(shape) != 2:
-        raise QuantizationError(f"a compressed Linear weight is 2-D, this one has shape {tuple(shape)}", key=key)
+        raise QuantizationError(f"a compressed Linear weight is 2-D, this one has shape {tuple(shape)}",
+                                key=key)
     return int(shape[0]), int(shape[1])
 
 
@@ -401,7 +412,9 @@ def _check_shape(key: str, shape, expected: tuple[int, ...], args) -> None:
                                 f"(expected {expected})".replace("  ", " "), key=key)
 
 
-def _zero_point(fmt: str, args, leaves, sources, scale_shape: tuple[int, ...], data: str) -> tuple[str | None, Packing]:
+def _zero_point(
+    fmt: str, args, leaves, sources, scale_shape: tuple[int, ...], data: str
+) -> tuple[str | None, Packing]:
     """The zero points compressed-tensors' decompression uses: the naive formats use a stored one;
     packed integers use it when asymmetric, packed along the scale rows for groups and channels."""
     key = leaves.get("weight_zero_point")
@@ -423,7 +436,7 @@ def _zero_point(fmt: str, args, leaves, sources, scale_shape: tuple[int, ...], d
     packing = _int32(args.num_bits)
     packed = (packing.stored(scale_shape[0]), scale_shape[1])
     if tuple(sources[key].shape) != packed or sources[key].dtype != torch.int32:
-        raise QuantizationError(f"zero points {tuple(sources[key].shape)} {sources[key].dtype}: expected int32 "
-                                f"{packed} ({scale_shape[0]} rows packed {packing.values} to {packing.elements} words)",
-                                key=key)
+        raise QuantizationError(f"zero points {tuple(sources[key].shape)} {sources[key].dtype}: expected "
+                                f"int32 {packed} ({scale_shape[0]} rows, {packing.values} in "
+                                f"{packing.elements} words)", key=key)
     return key, packing
