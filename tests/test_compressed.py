@@ -235,6 +235,31 @@ def test_reads_are_whole_units_and_covering_scales(name, box, expected):
     assert dict(tensor.reads(box)) == expected
 
 
+def test_activation_and_kv_cache_parameters_are_consumed():
+    """Static input scales, NVFP4's input global scale, KV-cache scales: no unquantized model
+    takes them, so they are consumed (never reported unexpected), as are the weight's own."""
+    stored, config, _, consumed, _ = _compressed_weight("nvfp4")
+    extra = (
+        "m.input_scale",
+        "m.input_zero_point",
+        "m.output_scale",
+        "attn.k_scale",
+        "attn.v_scale",
+        "attn.q_scale",
+    )
+    sources = {key: TensorSpec(tuple(t.shape), t.dtype) for key, t in stored.items()}
+    sources.update({key: TensorSpec((1,), torch.float32) for key in extra})
+    found, consumed = compressed_tensors(config, sources)
+    assert set(found) == {"m.weight"}
+    assert consumed == {
+        *extra,
+        "m.weight_packed",
+        "m.weight_scale",
+        "m.weight_global_scale",
+        "m.input_global_scale",
+    }
+
+
 def test_an_fp32_model_gets_the_bf16_values_compressed_tensors_computes():
     """compressed-tensors computes NVFP4 in float32 (E2M1 x E4M3 scale / global scale) and rounds to
     bfloat16: that rounding is part of the values, so an fp32 model gets them too, not the more
@@ -472,6 +497,18 @@ BAD = {  # case -> (checkpoint, edit, key of the error (None: config.json), word
         {"edit_config": lambda c: _group(c)["weights"].update(strategy="diagonal")},
         None,
         "diagonal",
+    ),
+    "sparse": (
+        "w4a16-asym",
+        {"edit_config": lambda c: c.update(sparsity_config={"format": "sparse-24-bitmask"})},
+        None,
+        "sparsity_config",
+    ),
+    "transforms": (
+        "w4a16-asym",
+        {"edit_config": lambda c: c.update(transform_config={"config_groups": {"u": {}}})},
+        None,
+        "transform_config",
     ),
     "fp8 without scales": (
         "fp8-tensor",

@@ -216,11 +216,19 @@ def _import_compressed_tensors():
 
 
 def _parse(quantization_config: Mapping[str, Any]):
+    """compressed-tensors' ``QuantizationConfig`` of the checkpoint. Sparse weights and transforms
+    (rotations an unquantized model does not apply) are refused: their values alone are not the
+    model's weights."""
     from compressed_tensors.quantization import QuantizationConfig
 
+    for part in ("sparsity_config", "transform_config"):
+        if quantization_config.get(part):
+            raise QuantizationError(f"compressed-tensors {part} {dict(quantization_config[part])}: only "
+                                    "quantized (not sparse or transformed) weights are read as values",
+                                    file=CONFIG_FILE)
     fields = set(QuantizationConfig.model_fields)
     try:
-        known = {k: v for k, v in quantization_config.items() if k in fields}  # not version, sparsity
+        known = {k: v for k, v in quantization_config.items() if k in fields}  # not version, ...
         return QuantizationConfig.model_validate(known)
     except (ValueError, TypeError) as e:  # pydantic's ValidationError is a ValueError
         raise QuantizationError(f"compressed-tensors quantization_config: {e}", file=CONFIG_FILE) from e
