@@ -30,6 +30,11 @@ whole scale tensor); the values are compressed-tensors' own ``dequantize`` of th
 one scale per value, after its own unpacking helpers, so they are bit for bit what its
 decompression gives, in the dtype it gives them (the scale's for the integer and FP8 formats,
 bfloat16 for NVFP4, MXFP4, MXFP6 and MXFP8).
+
+Shapes come from the metadata alone (``weight_shape`` is data, read by no plan): a packed row holds
+``groups * group_size`` values, or per channel or tensor as many as its words hold; a row of
+packed integers whose length is not a multiple of ``32 / bits`` is then longer than the model's
+and the load stops at planning with a shape mismatch.
 """
 
 from __future__ import annotations
