@@ -360,12 +360,16 @@ def _rank_model(sizes: Mapping[str, int], config: Any, model_cls: type, dtype: t
 
 
 def _quantization(quantization_config: Mapping[str, Any] | None) -> str | None:
-    """``"fp8, blocks 128x128"``: the checkpoint's quantization in a few words (None when plain)."""
+    """``"fp8, blocks 128x128"`` or ``"compressed-tensors: float-quantized, pack-quantized"``: the
+    checkpoint's quantization in a few words (None when plain)."""
     if not quantization_config:
         return None
     block = quantization_config.get("weight_block_size")
     blocks = f", blocks {'x'.join(map(str, block))}" if isinstance(block, (list, tuple)) else ""
-    return f"{quantization_config.get('quant_method')}{blocks}"
+    groups = quantization_config.get("config_groups")
+    formats = sorted({str(g.get("format") or quantization_config.get("format")) for g in groups.values()
+                      if isinstance(g, Mapping)}) if isinstance(groups, Mapping) else []
+    return f"{quantization_config.get('quant_method')}{blocks}" + (f": {', '.join(formats)}" if formats else "")
 
 
 # -- load instrumentation -----------------------------------------------------------------------

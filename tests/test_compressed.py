@@ -579,3 +579,14 @@ def test_cli_inspect_counts_compressed_weights(checkpoints, capsys):
         for m in checkpoint.compressed
         for n in ("weight_scale", "weight_zero_point")
     )
+
+
+def test_cli_plan_names_the_formats_of_a_mixed_checkpoint(checkpoints, capsys):
+    from hp_dcp_hf.cli import main
+
+    checkpoint = checkpoints("mixed")
+    formats = sorted({group["format"] for group in json.loads((checkpoint.path / "config.json").read_text())
+                      ["quantization_config"]["config_groups"].values()})
+    assert len(formats) > 1
+    assert main(["plan", str(checkpoint.path), "--mesh", "dp=2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["quantization"] == f"compressed-tensors: {', '.join(formats)}"
