@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 
 import pytest
 import torch
@@ -34,6 +33,7 @@ from tests.compressed import (
     weights_args,
 )
 from tests.families import family_model_class, load_family_reference
+from tests.test_quantized import _edit as edit_copy
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -410,23 +410,9 @@ def test_transformers_dequantize_gets_moe_experts_wrong(checkpoints):
 
 
 def _edit(checkpoint_path, destination, edit_tensors=None, edit_config=None):
-    shutil.copytree(checkpoint_path, destination)
-    if edit_tensors is not None:
-        from safetensors.torch import load_file, save_file
-
-        index = json.loads((destination / "model.safetensors.index.json").read_text())
-        for file in sorted(set(index["weight_map"].values())):
-            tensors = load_file(destination / file)
-            edited = edit_tensors(dict(tensors))
-            save_file(edited, destination / file, metadata={"format": "pt"})
-            for key in set(tensors) - set(edited):
-                del index["weight_map"][key]
-        (destination / "model.safetensors.index.json").write_text(json.dumps(index))
-    if edit_config is not None:
-        config = json.loads((destination / "config.json").read_text())
-        edit_config(config["quantization_config"])
-        (destination / "config.json").write_text(json.dumps(config))
-    return destination
+    """tests/test_quantized.py's edit of a copy, ``edit_config`` given the quantization_config."""
+    config_edit = None if edit_config is None else (lambda config: edit_config(config["quantization_config"]))
+    return edit_copy(checkpoint_path, destination, edit_tensors, config_edit)
 
 
 PROJ = "model.layers.1.mlp.down_proj"

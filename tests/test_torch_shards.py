@@ -41,6 +41,7 @@ from hp_dcp_hf.storage.catalog import INDEX_FILE, Catalog, assemble, scan
 from hp_dcp_hf.storage.header import SAVED_OFFSETS_KEY, SHARDING_INFO_KEY, TensorEntry
 from hp_dcp_hf.storage.location import filesystem, locate
 from hp_dcp_hf.storage.stats import ReadStats
+from tests.test_remote import _Into
 
 _RANDOM = torch.Generator().manual_seed(0)
 FULL = {
@@ -163,17 +164,6 @@ def test_default_planner_loads_whole_tensors_as_torchs_reader_does(shards: Path)
             (torch.Size([0] * tensor.ndim), tensor.shape)
         ]
         assert metadata.storage_data[MetadataIndex(key, [0] * tensor.ndim)] is reader.entries[key]
-
-
-class _Into:
-    def __init__(self, dests: dict[str, torch.Tensor]) -> None:
-        self.dests = dests
-
-    def resolve_tensor(self, item: ReadItem) -> torch.Tensor:
-        return self.dests[item.dest_index.fqn]
-
-    def commit_tensor(self, item: ReadItem, tensor: torch.Tensor) -> None:
-        pass
 
 
 def _item(key: str, box: Box) -> ReadItem:
