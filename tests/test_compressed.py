@@ -19,7 +19,6 @@ import torch
 
 import hp_dcp_hf
 from hp_dcp_hf.box import Box
-from hp_dcp_hf.errors import QuantizationError
 from hp_dcp_hf.mapping.compose import TensorSpec
 from hp_dcp_hf.mapping.compressed import compressed_tensors
 from hp_dcp_hf.toolkit import plan_ranks
@@ -34,6 +33,7 @@ from tests.compressed import (
 )
 from tests.families import family_model_class, load_family_reference
 from tests.test_quantized import _edit as edit_copy
+from tests.test_quantized import assert_refused_before_any_write
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -521,17 +521,7 @@ def test_bad_compressed_checkpoints_raise_before_any_write(checkpoints, case, tm
     name, options, key, words = BAD[case]
     checkpoint = checkpoints(name)
     bad = _edit(checkpoint.path, tmp_path / "bad", **options)
-    model = family_model_class(checkpoint.model_type)._from_config(
-        hp_dcp_hf.pipeline.read_config(str(checkpoint.twin)), dtype=torch.bfloat16
-    )
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(QuantizationError) as raised:
-        hp_dcp_hf.load_hf_checkpoint(model, str(bad))
-    assert words in str(raised.value)
-    assert raised.value.key == key
-    if key is None:
-        assert raised.value.file == "config.json"
-    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert_refused_before_any_write(checkpoint.model_type, checkpoint.twin, bad, key, words)
 
 
 def test_legacy_loader_decompresses_whole_tensors(checkpoints):

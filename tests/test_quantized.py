@@ -292,8 +292,13 @@ def test_bad_quantized_checkpoints_raise_before_any_write(case, tmp_path):
     }
     options, key, reason = edits[case]
     bad = _edit(checkpoint.path, tmp_path / "bad", **options)
-    model = family_model_class("deepseek_v3")._from_config(
-        hp_dcp_hf.pipeline.read_config(str(checkpoint.twin)), dtype=torch.bfloat16)
+    assert_refused_before_any_write("deepseek_v3", checkpoint.twin, bad, key, reason)
+
+
+def assert_refused_before_any_write(model_type: str, twin, bad, key: str | None, reason: str) -> None:
+    """Loading ``bad`` into the bf16 model of ``twin``'s config raises a QuantizationError naming
+    ``key`` (else config.json) and ``reason``, and leaves the model as it was."""
+    model = family_model_class(model_type)._from_config(hp_dcp_hf.pipeline.read_config(str(twin)), dtype=torch.bfloat16)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(QuantizationError) as raised:
         hp_dcp_hf.load_hf_checkpoint(model, str(bad))
