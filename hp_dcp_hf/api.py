@@ -24,6 +24,7 @@ from hp_dcp_hf.errors import (
     StorageWriteError,
 )
 from hp_dcp_hf.planner import HFMappingPlanner, LoadReport, Unexpected, describe_keys
+from hp_dcp_hf.quantize import Quantize
 from hp_dcp_hf.save_planner import HFSavePlanner
 from hp_dcp_hf.storage import HFStorageReader
 from hp_dcp_hf.storage.broadcast import agree_on_failure, should_broadcast
@@ -194,6 +195,7 @@ def save_hf_checkpoint(
     max_shard_size: int | str | None = None,
     dtype: torch.dtype | None = None,
     weights_mapping: Sequence[WeightTransform] | None = None,
+    quantize: Quantize | None = None,
     writer: HFStorageWriter | None = None,
     planner: HFSavePlanner | None = None,
     **storage_options: Any,
@@ -212,8 +214,17 @@ def save_hf_checkpoint(
     ``dtype`` casts floating-point tensors on write, and ``config.json`` names it. ``max_shard_size``
     defaults to ``save_pretrained``'s. ``path`` is a directory or an ``s3://`` prefix (multipart
     uploads; ``storage_options`` as s3fs takes them).
+
+    ``quantize="fp8"`` writes the block-scaled FP8 checkpoint transformers' FP8 quantizer makes
+    (``quant_method: "fp8"``, 128 x 128 blocks; a ``quantization_config`` dict or a
+    ``FineGrainedFP8Config`` chooses ``weight_block_size`` and ``modules_to_not_convert``): the
+    modules it converts are stored as ``float8_e4m3fn`` with their ``weight_scale_inv``, quantized
+    from the values ``dtype`` gives, in the same single pass (ranks that share a scale block agree
+    on its amax first; :mod:`hp_dcp_hf.quantize`).
     """
-    planner = planner or HFSavePlanner(model, weights_mapping=weights_mapping)
+    if planner is not None and quantize is not None:
+        raise ArgumentError("quantize= goes to the planner given (HFSavePlanner(model, quantize=...))")
+    planner = planner or HFSavePlanner(model, weights_mapping=weights_mapping, quantize=quantize)
     writer = writer if writer is not None else HFStorageWriter(
         path, max_shard_size=max_shard_size, dtype=dtype, **storage_options)
     try:

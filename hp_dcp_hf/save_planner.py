@@ -18,11 +18,17 @@ a :class:`MappingError` before any byte is written.
 Each byte is written by one rank: a piece held by several ranks (``Replicate`` dims, the parallel
 copies of a submesh, plain tensors in a process group) is written by one of its replicas, the
 ``i``-th tensor's by replica ``i mod replicas``, so replicas share the writing.
+
+``quantize="fp8"`` writes the block-scaled FP8 checkpoint transformers' FP8 quantizer would
+(:mod:`hp_dcp_hf.quantize`): the tensors it converts are planned in ``float8_e4m3fn``, each with its
+``weight_scale_inv``, whose blocks each rank writes where it writes the block's first element; the
+writer quantizes the values as it writes them.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import math
 import re
@@ -48,7 +54,8 @@ from torch.distributed.checkpoint.planner import (
 from transformers import PreTrainedModel
 from transformers.core_model_loading import WeightRenaming, WeightTransform, dot_natural_key
 
-from hp_dcp_hf.errors import MappingError, PlanningError
+from hp_dcp_hf.box import Box
+from hp_dcp_hf.errors import ArgumentError, MappingError, PlanningError
 from hp_dcp_hf.layout import local_shard_pieces, local_tensor
 from hp_dcp_hf.mapping.blocks import LocalView, read_blocks
 from hp_dcp_hf.mapping.compose import Composition, Opaque, TensorSpec
@@ -63,6 +70,20 @@ from hp_dcp_hf.mapping.symbolic import Piece
 from hp_dcp_hf.parallel.replicas import ReplicaGroups
 from hp_dcp_hf.perf import paused_gc
 from hp_dcp_hf.planner import alias_groups
+from hp_dcp_hf.quantize import (
+    FP8,
+    SCALE_DTYPE,
+    Fp8Conversion,
+    Fp8Layout,
+    Quantize,
+    already_quantized,
+    fp8_config,
+    fp8_conversion,
+    scale_name,
+    scale_storage,
+    split_blocks,
+)
+from hp_dcp_hf.storage.broadcast import should_broadcast
 
 
 @dataclass(frozen=True)
@@ -76,26 +97,32 @@ class SaveRequest:
     dtype: torch.dtype = torch.float32  # the model's, as save_pretrained names it (its first floating parameter's)
     architectures: tuple[str, ...] = ()
     index_metadata: dict[str, Any] = field(default_factory=dict)  # total_parameters
+    quantization: Fp8Layout | None = None  # the FP8 tensors of a quantize="fp8" save
 
     def extra_files(self, dtype: torch.dtype | None) -> dict[str, str]:
         """The JSON files ``save_pretrained`` writes beside the weights of this model saved in
-        ``dtype`` (None: the model's): ``config.json`` naming that dtype and the model's class."""
+        ``dtype`` (None: the model's): ``config.json`` naming that dtype and the model's class
+        (and the ``quantization_config`` of a quantized save)."""
         files = {}
         for name, config in self.configs.items():
             if name == "config.json":
                 config = copy.deepcopy(config)
                 config.dtype = str(dtype or self.dtype).removeprefix("torch.")
                 config.architectures = list(self.architectures)
+                if self.quantization is not None:
+                    config.quantization_config = self.quantization.config
             files[name] = config.to_json_string(use_diff=True)
         return files
 
 
 def saved_tensors(
-    model: nn.Module, weights_mapping: Sequence[WeightTransform] | None = None
-) -> tuple[dict[str, TensorSpec], dict[str, tuple[int, int]], nn.Module]:
+    model: nn.Module, weights_mapping: Sequence[WeightTransform] | None = None, quantize: Any = None
+) -> tuple[dict[str, TensorSpec], dict[str, tuple[int, int]], nn.Module, tuple[Fp8Conversion, frozenset[str]] | None]:
     """The checkpoint tensors that ``weights_mapping`` (checkpoint -> canonical) loads into
     ``model``, which of them are views of one storage (key -> (storage group, its elements):
-    ``save_pretrained`` splits files by storage), and the skeleton they come from.
+    ``save_pretrained`` splits files by storage), the skeleton they come from, and, given a
+    ``quantize`` config (``FineGrainedFP8Config``), what transformers' FP8 quantizer makes of the
+    model and the checkpoint keys it quantizes (None without).
 
     A transformers model's canonical tensors are those of a meta skeleton of its class and config
     (tied copies and ``_keys_to_ignore_on_save`` dropped, as ``save_pretrained`` drops them), in the
@@ -103,20 +130,31 @@ def saved_tensors(
     tied group, and it needs a mapping. transformers' ``revert_weight_conversion`` turns them into
     the checkpoint's names and shapes: with ``weights_mapping`` None, reversing transformers' own
     mapping for the class, as ``save_pretrained`` of a model built from scratch does.
+
+    The quantized checkpoint keys are found by marking the canonical tensors the quantizer
+    converts as FP8 before the reversal: the checkpoint tensors made of them come out in FP8 (the
+    specs keep the model's dtype; the planner traces values).
     """
     from transformers.core_model_loading import revert_weight_conversion
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
     config = getattr(model, "config", None)
+    dtype = next((p.dtype for p in model.parameters() if p.dtype.is_floating_point), torch.float32)
+    conversion = None
     if isinstance(model, PreTrainedModel) and config is not None:
-        dtype = next((p.dtype for p in model.parameters() if p.dtype.is_floating_point), torch.float32)
-        with torch.device("meta"):
-            skeleton = original_class(model)._from_config(config, dtype=dtype)
+        def build() -> PreTrainedModel:
+            with torch.device("meta"):
+                return original_class(model)._from_config(config, dtype=dtype)
+
+        skeleton = build()
         skeleton.tie_weights()
         state = skeleton.state_dict()
         for key in getattr(skeleton, "_keys_to_ignore_on_save", None) or ():
             state.pop(key, None)
         state = remove_tied_weights_from_state_dict(state, skeleton)
+        if quantize is not None:
+            conversion = fp8_conversion(build(), quantize)
+            state.update({key: state[key].to(FP8) for key in conversion.canonical if key in state})
         converting: Any = skeleton
     elif weights_mapping is None:
         raise PlanningError("saving in Hugging Face format needs a transformers model (its config and class), or "
@@ -139,7 +177,11 @@ def saved_tensors(
     for key, t in state.items():
         handle = t.untyped_storage()._cdata  # meta storages are told apart by their handle alone
         storage[key] = (groups.setdefault(handle, len(groups)), t.untyped_storage().nbytes() // t.element_size())
-    return {key: TensorSpec(tuple(t.shape), t.dtype) for key, t in state.items()}, storage, skeleton
+    specs = {key: TensorSpec(tuple(t.shape), dtype if t.dtype == FP8 else t.dtype) for key, t in state.items()}
+    quantized = None
+    if conversion is not None:
+        quantized = conversion, frozenset(key for key, t in state.items() if t.dtype == FP8)
+    return specs, storage, skeleton, quantized
 
 
 class _Converting:
@@ -203,15 +245,30 @@ class HFSavePlanner(SavePlanner):
             mapping, given or recorded by its load).
         weights_mapping: the checkpoint -> canonical model mapping to invert. Default: the one the
             model was loaded with, else transformers' own for its class.
+        quantize: ``"fp8"`` (or an FP8 ``quantization_config`` dict, or a ``FineGrainedFP8Config``:
+            ``weight_block_size``, ``modules_to_not_convert``) to write the block-scaled FP8
+            checkpoint transformers' FP8 quantizer makes of a transformers model. A model that is
+            quantized already, or is not a transformers model, is an :class:`ArgumentError`.
 
-    Tensors are planned in the model's dtypes; :class:`~hp_dcp_hf.storage.HFStorageWriter` casts
-    them on write when given a ``dtype``.
+    Tensors are planned in the model's dtypes (quantized ones in FP8, with their scales);
+    :class:`~hp_dcp_hf.storage.HFStorageWriter` casts them on write when given a ``dtype``, and
+    quantizes the FP8 ones from the values that ``dtype`` gives.
     """
 
-    def __init__(self, model: nn.Module, *, weights_mapping: Sequence[WeightTransform] | None = None) -> None:
+    def __init__(self, model: nn.Module, *, weights_mapping: Sequence[WeightTransform] | None = None,
+                 quantize: Quantize | None = None) -> None:
         self.model = model
         self.weights_mapping = weights_mapping
-        self.bytes_planned = 0  # the bytes of this rank's items, in the model's dtypes
+        self.quantize = None if quantize is None else fp8_config(quantize)
+        if self.quantize is not None:
+            if not isinstance(model, PreTrainedModel) or getattr(model, "config", None) is None:
+                raise ArgumentError("quantize= needs a transformers model: transformers' FP8 quantizer decides "
+                                    "which of its modules are converted")
+            why = already_quantized(model)
+            if why is not None:
+                raise ArgumentError(f"quantize=: the model is quantized already ({why}); load it as values "
+                                    "(a bf16 or float32 model) to quantize it on save")
+        self.bytes_planned = 0  # the bytes of this rank's items as stored (FP8 weights and their scales too)
         self._views: dict[MetadataIndex, LocalView] = {}
 
     # -- DCP protocol -------------------------------------------------------------------------
@@ -233,14 +290,19 @@ class HFSavePlanner(SavePlanner):
         return new_plan
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
-        """The strided view of the local shard holding ``write_item``'s box (the writer casts it)."""
-        return self._views[write_item.index].view().detach()
+        """The strided view of the local shard holding ``write_item``'s box (the writer casts or
+        quantizes it). The values of scales are the writer's, from the amax of what it writes."""
+        view = self._views.get(write_item.index)
+        if view is None:
+            raise PlanningError("FP8 scales are computed by HFStorageWriter as it writes their weights",
+                                key=write_item.index.fqn)
+        return view.view().detach()
 
     # -- planning -----------------------------------------------------------------------------
     def plan_writes(self, state_dict: Mapping[str, Any]) -> tuple[list[WriteItem], SaveRequest]:
         """Validate everything and return this rank's WriteItems and what its writer needs."""
         mapping = self.weights_mapping if self.weights_mapping is not None else recorded_checkpoint_mapping(self.model)
-        specs, storage, skeleton = saved_tensors(self.model, mapping)
+        specs, storage, skeleton, quantized = saved_tensors(self.model, mapping, self.quantize)
         composition = Composition(
             model_stages(self.model, mapping),
             specs,
@@ -258,6 +320,13 @@ class HFSavePlanner(SavePlanner):
         self._views.clear()
         self.bytes_planned = 0
         replicas = ReplicaGroups.gather([state_dict[target] for target in fill])
+        layout = None
+        if quantized is not None:
+            conversion, keys = quantized
+            layout = Fp8Layout(conversion.config, {key: specs[key].shape for key in sorted(keys)})
+            if should_broadcast():  # the blocks several ranks write parts of: the same on every rank
+                layout = dataclasses.replace(layout, split=split_blocks(
+                    [(state_dict[target], composition.traced[target]) for target in fill], layout))
         for ordinal, target in enumerate(fill):
             tensor = state_dict[target]
             if not replicas.writes(tensor, ordinal, target):
@@ -265,20 +334,27 @@ class HFSavePlanner(SavePlanner):
             local = local_tensor(tensor)
             for piece in local_shard_pieces(tensor, key=target):
                 for block in read_blocks(composition.traced[target], piece.global_box, piece.local_offsets):
-                    spec = specs[block.key]
-                    index = MetadataIndex(block.key, torch.Size(block.source_box.offsets))
-                    items.append(WriteItem(index=index, type=WriteItemType.TENSOR, tensor_data=TensorWriteData(
-                        chunk=ChunkStorageMetadata(torch.Size(block.source_box.offsets), torch.Size(block.source_box.sizes)),
-                        properties=TensorProperties(dtype=spec.dtype), size=torch.Size(spec.shape))))
-                    self._views[index] = LocalView.of(local, block)
-                    self.bytes_planned += block.numel * tensor.dtype.itemsize
+                    fp8 = layout is not None and block.key in layout.shapes
+                    items.append(_write_item(block.key, block.source_box, FP8 if fp8 else specs[block.key].dtype,
+                                             specs[block.key].shape))
+                    self._views[items[-1].index] = LocalView.of(local, block)
+                    self.bytes_planned += block.numel * (FP8.itemsize if fp8 else tensor.dtype.itemsize)
+                    owned = layout.owned_box(block.source_box) if fp8 else None
+                    if owned is not None:  # the scales of the blocks this box starts
+                        items.append(_write_item(scale_name(block.key), owned, SCALE_DTYPE, layout.grid(block.key)))
+                        self.bytes_planned += owned.numel * SCALE_DTYPE.itemsize
+        tensors = {key: (spec.dtype, spec.shape) for key, spec in specs.items()}
+        metadata = {"total_parameters": skeleton.num_parameters()} if hasattr(skeleton, "num_parameters") else {}
+        if quantized is not None:  # the FP8 model's: its scales are parameters too
+            metadata = {"total_parameters": quantized[0].total_parameters}
         request = SaveRequest(
-            {key: (spec.dtype, spec.shape) for key, spec in specs.items()},
-            storage,
+            layout.ordered(tensors) if layout is not None else tensors,
+            scale_storage(layout, storage) if layout is not None else storage,
             _configs(self.model) if self.is_coordinator and isinstance(skeleton, PreTrainedModel) else {},
             next((p.dtype for p in self.model.parameters() if p.dtype.is_floating_point), torch.float32),
             (original_class(self.model).__name__,),
-            {"total_parameters": skeleton.num_parameters()} if hasattr(skeleton, "num_parameters") else {},
+            metadata,
+            layout,
         )
         return items, request
 
@@ -312,6 +388,14 @@ class HFSavePlanner(SavePlanner):
         if problems:
             raise MappingError(f"{len(problems)} tensors cannot be written back exactly:\n  "
                                + "\n  ".join(f"{name}: {why}" for name, why in problems), key=problems[0][0])
+
+
+def _write_item(key: str, box: Box, dtype: torch.dtype, shape: Sequence[int]) -> WriteItem:
+    """Box ``box`` of checkpoint tensor ``key`` (of ``shape``), stored in ``dtype``."""
+    offsets = torch.Size(box.offsets)
+    return WriteItem(index=MetadataIndex(key, offsets), type=WriteItemType.TENSOR, tensor_data=TensorWriteData(
+        chunk=ChunkStorageMetadata(offsets, torch.Size(box.sizes)), properties=TensorProperties(dtype=dtype),
+        size=torch.Size(shape)))
 
 
 def _claimed_twice(pieces: Sequence[Piece], shape: Sequence[int]) -> bool:

@@ -12,6 +12,12 @@ what was staged is then dropped by :func:`hp_dcp_hf.save_hf_checkpoint`, or by t
 the path (a killed save's too). Where the bytes go is a
 :class:`~hp_dcp_hf.storage.destination.Destination`: a local or shared directory, or S3 multipart
 uploads.
+
+A quantized save (the planner's ``quantize="fp8"``) is quantized here, inside the same pass: before
+its first byte, each rank takes the amax of every scale block it writes part of, the ranks complete
+the blocks they share with one ``all_reduce(MAX)`` of those blocks only
+(:class:`~hp_dcp_hf.quantize.BlockAmax`), and each box is then quantized a staging slice at a time
+as it is written, its scales written by the rank that writes their block's first element.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import os
 import threading
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import fsspec
 import torch
@@ -36,6 +42,9 @@ from hp_dcp_hf.storage.destination import BoxWrite, Destination, Directory, Stag
 from hp_dcp_hf.storage.files import SavedFile, SavedTensor, layout_files
 from hp_dcp_hf.storage.journal import SAVE_ID_KEY, SAVE_ID_LENGTH
 from hp_dcp_hf.storage.multipart import DEFAULT_PART_BYTES, LEASE_SECONDS, MultipartUploads
+
+if TYPE_CHECKING:  # hp_dcp_hf.quantize reads hp_dcp_hf.mapping, which imports this package
+    from hp_dcp_hf.quantize import Fp8Layout
 
 
 def destination_for(path: str, storage_options: dict[str, Any], part_bytes: int = DEFAULT_PART_BYTES,
@@ -60,13 +69,15 @@ class HFStorageWriter(StorageWriter):
     them: ``key``, ``secret``, ``endpoint_url``, ``client_kwargs``, ...).
 
     ``max_shard_size``: as ``save_pretrained``'s (``"5GB"``, or bytes; by default its default). ``dtype``: cast floating-point
-    tensors to it on write (default: each tensor's own dtype); ``config.json`` names the dtype the
-    files hold. ``staging_bytes``: the most memory a rank uses at once to cast and lay out a box
-    before writing it. ``part_bytes``: the part size of S3 uploads (at least 5 MiB).
+    tensors to it on write (default: each tensor's own dtype; FP8 weights are quantized from the values
+    it gives, their scales stay float32); ``config.json`` names the dtype the files hold.
+    ``staging_bytes``: the most memory a rank uses at once to cast and lay out a box before writing
+    it. ``part_bytes``: the part size of S3 uploads (at least 5 MiB).
     ``lease_seconds``: how long an S3 save's lease on its prefix lasts unrenewed. ``progress``: called
     as ``progress(done, total)`` with this rank's tensor bytes written so far and in all, when its
     writes start and after each box (one call at a time; ``bytes_written`` counts along), so a
-    long save can show it moves.
+    long save can show it moves. ``amax_reduced``: after a quantized save, the scale blocks this
+    rank's amax reduction carried (the same on every rank; 0 when no block is split between ranks).
     """
 
     def __init__(
@@ -106,6 +117,8 @@ class HFStorageWriter(StorageWriter):
         self.staged: Staged | None = None
         self.bytes_written = 0
         self._bytes_to_write = 0
+        self.quantization: Fp8Layout | None = None
+        self.amax_reduced = 0
         self.is_coordinator = False
 
     @property
@@ -130,7 +143,10 @@ class HFStorageWriter(StorageWriter):
         if request is None or not hasattr(request, "tensors"):
             raise PlanningError("HFStorageWriter writes the plans of HFSavePlanner", file=self.path)
         # Headers hold a placeholder of the save id's fixed width until the coordinator draws the id
-        specs = {key: (self._dtype(dtype), shape) for key, (dtype, shape) in request.tensors.items()}
+        self.quantization = request.quantization
+        stored = set() if self.quantization is None else {*self.quantization.shapes, *self.quantization.scales}
+        specs = {key: (dtype if key in stored else self._dtype(dtype), shape)
+                 for key, (dtype, shape) in request.tensors.items()}
         self.files, self.index = layout_files(specs, self.max_shard_size, request.storage,
                                               {SAVE_ID_KEY: _ID_PLACEHOLDER})
         if self.index is not None:
@@ -160,20 +176,27 @@ class HFStorageWriter(StorageWriter):
 
     # -- data -----------------------------------------------------------------------------------
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        """Write every box of ``plan`` at its final offsets."""
+        """Write every box of ``plan`` at its final offsets (quantizing FP8 weights on the way)."""
         staged: Staged = plan.storage_data
         self._take_id(staged.save_id)
         writes: list[BoxWrite] = []
         failure: BaseException | None = None
+        scales = self.quantization.scales if self.quantization is not None else {}
         try:
             for item in plan.items:
                 tensor = self.tensors.get(item.index.fqn)
                 if tensor is None or item.tensor_data is None:
                     raise PlanningError("the plan writes a key the layout does not have", key=item.index.fqn)
                 box = Box(tuple(item.tensor_data.chunk.offsets), tuple(item.tensor_data.chunk.sizes))
-                writes.append(BoxWrite(tensor, box, planner.resolve_data(item)))
+                # Scales have no data in the model: quantized_writes computes them
+                writes.append(BoxWrite(tensor, box, None if item.index.fqn in scales else planner.resolve_data(item)))
         except Exception as e:  # noqa: BLE001 - the destination raises it, once the other ranks know
             writes, failure = [], e
+        if self.quantization is not None:  # every rank: the amax reduction is a collective
+            from hp_dcp_hf.quantize import quantized_writes
+
+            through = self.dtype if self.dtype is not None and self.dtype.is_floating_point else None
+            writes, failure, self.amax_reduced = quantized_writes(self.quantization, writes, through, failure)
         self.bytes_written, self._bytes_to_write = 0, sum(w.box.numel * w.tensor.dtype.itemsize for w in writes)
         self._wrote(0)
         sizes = self.destination.write(staged, self.files, writes, self.staging_bytes, failure, progress=self._wrote)

@@ -1,0 +1,294 @@
+"""FP8 saves in one process: ``save_hf_checkpoint(model, path, quantize="fp8")`` writes the
+block-scaled FP8 checkpoint transformers' FP8 quantizer makes of the model.
+
+Oracles, all transformers' own: ``Fp8Quantize`` of each full checkpoint tensor (zero-padded to
+whole blocks where the grid is a ceil grid: ``Fp8Quantize`` leaves such a weight unquantized, while
+its ``FP8Linear`` allocates ceil grids and DeepSeek-V3 ships them), and ``save_pretrained`` of
+transformers' FP8 model of the same weights. transformers quantizes on the fly only on a GPU
+(``from_pretrained`` refuses without one), so that model is put together by hand from its own
+parts: the quantizer's ``preprocess_model`` swaps in ``FP8Linear``, filled with ``Fp8Quantize``'s
+tensors. transformers' ``from_pretrained`` of our output loads (dequantized, on CPU), and a
+checkpoint loaded from FP8 and saved back is byte-identical to the one it came from.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import hp_dcp_hf
+from hp_dcp_hf.box import Box
+from hp_dcp_hf.errors import ArgumentError
+from hp_dcp_hf.quantize import BlockAmax, Fp8Box, Fp8Layout, block_amax, fp8_config, fp8_scales, quantize_box
+from tests.families import build_family_model, family_model_class, save_family_model, tiny_family_config
+from tests.quantized import dequantize_reference, is_projection
+from tests.test_save import SHARD, anonymized, assert_same_checkpoint
+
+FP8 = torch.float8_e4m3fn
+BLOCK16 = {"quant_method": "fp8", "weight_block_size": [16, 16]}
+#: llama sizes where every projection is whole 16 x 16 blocks (transformers' Fp8Quantize converts them all)
+DIVISIBLE = {"hidden_size": 64, "intermediate_size": 96, "head_dim": 16, "num_attention_heads": 4,
+             "num_key_value_heads": 2}
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def fp8quantize(tensor: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' ``Fp8Quantize`` of ``tensor`` zero-padded to whole blocks, the weight cropped back."""
+    from transformers.integrations.finegrained_fp8 import Fp8Quantize
+    from transformers.utils.quantization_config import FineGrainedFP8Config
+
+    rows, cols = (-(-n // b) * b for n, b in zip(tensor.shape[-2:], block))
+    padded = torch.zeros(*tensor.shape[:-2], rows, cols, dtype=tensor.dtype)
+    padded[..., : tensor.shape[-2], : tensor.shape[-1]] = tensor
+    op = Fp8Quantize(SimpleNamespace(quantization_config=FineGrainedFP8Config(weight_block_size=block)))
+    out = op.convert({"w.weight": padded})
+    return out["w.weight"][..., : tensor.shape[-2], : tensor.shape[-1]].contiguous(), out["w.weight_scale_inv"]
+
+
+def tensors(path: Path) -> dict[str, torch.Tensor]:
+    return {k: v for f in sorted(path.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+def bits(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes, so that FP8 (no ``==`` on CPU) and NaN compare."""
+    return tensor.contiguous().view(torch.uint8)
+
+
+def assert_fp8_of(saved: Path, reference: Path, block: tuple[int, int]) -> set[str]:
+    """``saved`` is the checkpoint at ``reference`` (save_pretrained's, unquantized) with every
+    projection weight replaced by ``Fp8Quantize``'s FP8 tensor and scales; the quantized keys."""
+    ours, theirs = tensors(saved), tensors(reference)
+    quantized = {k for k, v in ours.items() if v.dtype == FP8}
+    assert quantized == {k for k, v in theirs.items() if is_projection(k, v)}
+    expected = {}
+    for key, value in theirs.items():
+        if key in quantized:
+            expected[key], expected[key.removesuffix("weight") + "weight_scale_inv"] = fp8quantize(value, block)
+        else:
+            expected[key] = value
+    assert sorted(ours) == sorted(expected)
+    assert not [k for k, v in expected.items() if ours[k].dtype != v.dtype or not torch.equal(bits(ours[k]), bits(v))]
+    return quantized
+
+
+def transformers_fp8_model(model, quantization_config):
+    """transformers' FP8 model of ``model``'s weights: its quantizer's ``FP8Linear`` modules, holding
+    what its ``Fp8Quantize`` makes of each weight (what ``from_pretrained(quantization_config=)``
+    builds on a GPU)."""
+    from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
+
+    quantizer = FineGrainedFP8HfQuantizer(copy.deepcopy(quantization_config), pre_quantized=False)
+    fp8 = type(model)._from_config(copy.deepcopy(model.config), dtype=torch.bfloat16)
+    quantizer.preprocess_model(fp8)
+    converted = {k for k, v in fp8.state_dict().items() if v.dtype == FP8}
+    op, state = quantizer.get_quantize_ops(), {}
+    for key, value in model.state_dict().items():
+        state.update(op.convert({key: value}) if key in converted else {key: value})
+    fp8.load_state_dict(state, assign=True, strict=True)
+    fp8.hf_quantizer = quantizer
+    quantizer.postprocess_model(fp8)
+    return fp8
+
+
+def llama(dtype: torch.dtype = torch.bfloat16, **sizes):
+    config = tiny_family_config("llama", **sizes)
+    torch.manual_seed(0)
+    model = family_model_class("llama")._from_config(config, dtype=dtype)
+    from tests.models import _randomize_
+
+    _randomize_(model, 0)
+    return model.eval()
+
+
+# -- the arithmetic ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape, block", [((64, 96), (16, 16)), ((40, 44), (16, 16)), ((3, 20, 33), (8, 16)),
+                                          ((130, 200), (128, 128))])
+def test_block_arithmetic_is_fp8quantize_s_by_parts_too(shape, block):
+    """Blocks quantized whole, and from parts whose amaxes are combined by max (the reduction), are
+    ``Fp8Quantize``'s tensors bit for bit: a zero block, NaN and -0.0 included; sliced as the writer
+    slices boxes too. Where the shape is whole blocks, ``Fp8Quantize`` needs no padding."""
+    torch.manual_seed(1)
+    weight = (torch.randn(shape) * 10.0 ** torch.randint(-4, 3, shape)).to(torch.bfloat16)
+    weight[..., : block[0], : block[1]] = 0  # a block of zeros: scale 1
+    weight[..., -1, -1] = float("nan")
+    weight[..., 0, -1] = -0.0
+    q, scale_inv = fp8quantize(weight, block)
+    if all(n % b == 0 for n, b in zip(shape[-2:], block)):
+        from transformers.integrations.finegrained_fp8 import Fp8Quantize
+        from transformers.utils.quantization_config import FineGrainedFP8Config
+
+        op = Fp8Quantize(SimpleNamespace(quantization_config=FineGrainedFP8Config(weight_block_size=block)))
+        direct = op.convert({"w.weight": weight})
+        assert torch.equal(bits(direct["w.weight"]), bits(q)) and torch.equal(bits(direct["w.weight_scale_inv"]),
+                                                                             bits(scale_inv))
+    full = Box.full(shape)
+    scale, inverse = fp8_scales(block_amax(weight, full, block))
+    assert torch.equal(bits(inverse), bits(scale_inv))
+    assert torch.equal(bits(quantize_box(weight, full, block, scale)), bits(q))
+    # parts cut inside blocks: amax per part, max over parts, each part quantized alone
+    rows, cols = shape[-2:]
+    cuts = [(0, rows // 3 + 1), (rows // 3 + 1, rows)], [(0, cols // 2 - 3), (cols // 2 - 3, cols)]
+    parts = [Box((*(0,) * (len(shape) - 2), r0, c0), (*shape[:-2], r1 - r0, c1 - c0)) for r0, r1 in cuts[0]
+             for c0, c1 in cuts[1]]
+    layout = Fp8Layout(fp8_config({"quant_method": "fp8", "weight_block_size": list(block)}), {"w": shape})
+    amax = BlockAmax(layout, {"w": parts})
+    for part in parts:
+        amax.add("w", part, weight[part.slices()])
+    assembled = torch.empty(shape, dtype=FP8)
+    for part in parts:
+        part_scale, _ = amax.scales("w", layout.scale_box(part))
+        box = Fp8Box(weight[part.slices()], part, block, part_scale)
+        assembled[part.slices()] = box[tuple(slice(0, n) for n in part.sizes)]
+        half = tuple(slice(n // 2, n) for n in part.sizes)  # a slice of the box, as the writer's staging cuts it
+        assert torch.equal(bits(box[half]), bits(q[part.slices()][half]))
+    assert torch.equal(bits(assembled), bits(q))
+    _, inverse = amax.scales("w", Box.full(layout.grid("w")))
+    assert torch.equal(bits(inverse), bits(scale_inv))
+
+
+def test_partial_blocks_get_ceil_grids_where_fp8quantize_leaves_the_weight():
+    """transformers' ``Fp8Quantize`` returns a weight whose dims are not whole blocks unquantized;
+    its ``FP8Linear`` allocates a ceil grid of scales for it: that grid is what the save writes, each
+    partial block scaled by the amax of the elements it has."""
+    from transformers.integrations.finegrained_fp8 import FP8Linear, Fp8Quantize
+    from transformers.utils.quantization_config import FineGrainedFP8Config
+
+    weight = torch.randn(40, 44, dtype=torch.bfloat16)
+    op = Fp8Quantize(SimpleNamespace(quantization_config=FineGrainedFP8Config(weight_block_size=(16, 16))))
+    assert op.convert({"w.weight": weight}) == {"w.weight": weight}
+    layout = Fp8Layout(fp8_config(BLOCK16), {"w.weight": (40, 44)})
+    assert layout.grid("w.weight") == tuple(FP8Linear(44, 40, block_size=(16, 16)).weight_scale_inv.shape) == (3, 3)
+
+
+# -- what the save writes ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["llama", "deepseek_v3", "qwen3_moe", "gte"])
+def test_fp8_save_is_fp8quantize_of_every_projection(family, tmp_path):
+    """Ceil grids everywhere (the tiny sizes are not multiples of 16), MLA (deepseek_v3), per-expert
+    weights each on its own grid (qwen3_moe's stacked experts), a checkpoint tensor made of three
+    model tensors (gte's qkv_proj): the projections are FP8 with their scales, everything else is
+    ``save_pretrained``'s, and config.json is ``save_pretrained``'s with the quantization_config."""
+    model = build_family_model(family, dtype=torch.bfloat16)
+    reference = save_family_model(model, tmp_path / "reference", SHARD)
+    hp_dcp_hf.save_hf_checkpoint(model, tmp_path / "ours", quantize=BLOCK16, max_shard_size=SHARD)
+    assert assert_fp8_of(tmp_path / "ours", reference, (16, 16))
+    config = json.loads((tmp_path / "ours" / "config.json").read_text())
+    assert config.pop("quantization_config") == {
+        "activation_scheme": "dynamic", "dequantize": False, "expert_dtype": "fp8", "modules_to_convert": None,
+        "modules_to_not_convert": None, "quant_method": "fp8", "scale_fmt": "float", "weight_block_size": [16, 16]}
+    assert config == json.loads((reference / "config.json").read_text())
+
+
+@pytest.mark.parametrize("block", [(16, 16), (128, 128)], ids=["16x16", "default"])
+def test_fp8_save_is_save_pretrained_of_transformers_fp8_model(block, tmp_path):
+    """Same files, keys, bits, index (``total_parameters`` counts the scales, as the FP8 model's
+    parameters) and config.json as ``save_pretrained`` of transformers' FP8 model; transformers'
+    ``from_pretrained`` loads it (dequantizing, on CPU) to exactly what hp-dcp-hf loads from it."""
+    from transformers.utils.quantization_config import FineGrainedFP8Config
+
+    sizes = DIVISIBLE if block == (16, 16) else {"hidden_size": 256, "intermediate_size": 384, "head_dim": 64,
+                                                 "num_attention_heads": 4, "num_key_value_heads": 2}
+    model = llama(**sizes)
+    quantize = FineGrainedFP8Config(weight_block_size=block) if block == (16, 16) else "fp8"
+    shard = SHARD if block == (16, 16) else "200KB"  # several files
+    transformers_fp8_model(model, fp8_config(quantize)).save_pretrained(tmp_path / "theirs", max_shard_size=shard)
+    hp_dcp_hf.save_hf_checkpoint(model, tmp_path / "ours", quantize=quantize, max_shard_size=shard)
+    assert_same_checkpoint(tmp_path / "ours", tmp_path / "theirs")
+    assert len(list((tmp_path / "ours").glob("*.safetensors"))) > 1
+    theirs = type(model).from_pretrained(tmp_path / "ours").state_dict()
+    ours, _ = hp_dcp_hf.from_pretrained(str(tmp_path / "ours"), model_cls=type(model))
+    stored = tensors(tmp_path / "ours")
+    for key, value in theirs.items():
+        expected = (dequantize_reference(stored[key], stored[key.removesuffix("weight") + "weight_scale_inv"], block)
+                    if stored[key].dtype == FP8 else stored[key])
+        assert value.dtype == torch.bfloat16 and torch.equal(value, expected) and torch.equal(ours.state_dict()[key], value)
+
+
+@pytest.mark.parametrize("family, quantize", [("llama", BLOCK16), ("llama", "fp8"), ("qwen3_moe", BLOCK16),
+                                              ("deepseek_v3", BLOCK16)], ids=["llama", "llama-128", "qwen3_moe",
+                                                                              "deepseek_v3"])
+def test_loaded_from_fp8_and_saved_back_is_byte_identical(family, quantize, tmp_path):
+    """quantize(dequantize(q, s)) is (q, s) with transformers' arithmetic, for weights a bf16 model
+    held: loaded into bf16 (the config's dtype) and saved back, every file is the original's byte
+    for byte, config.json and the index too, but for the save id."""
+    hp_dcp_hf.save_hf_checkpoint(build_family_model(family, dtype=torch.bfloat16), tmp_path / "fp8",
+                                 quantize=quantize, max_shard_size=SHARD)
+    loaded, _ = hp_dcp_hf.from_pretrained(str(tmp_path / "fp8"), model_cls=family_model_class(family))
+    assert next(loaded.parameters()).dtype == torch.bfloat16
+    writer = hp_dcp_hf.HFStorageWriter(tmp_path / "again", max_shard_size=SHARD)
+    hp_dcp_hf.save_hf_checkpoint(loaded, tmp_path / "again", quantize=quantize, writer=writer)
+    original, again = ({p.name: p.read_bytes() for p in (tmp_path / d).iterdir()} for d in ("fp8", "again"))
+    assert anonymized(again) == anonymized(original)
+    assert writer.bytes_written == sum(v.numel() * v.element_size() for v in tensors(tmp_path / "fp8").values())
+    assert writer.amax_reduced == 0  # one process: no block is split between ranks
+
+
+def test_a_float32_model_quantizes_the_values_of_dtype(tmp_path):
+    """Loaded into float32, the dequantized values are exact products; ``dtype=torch.bfloat16``
+    quantizes the bf16 values the checkpoint gave, so the save is byte-identical again (the float32
+    values themselves would give scales an ulp off: amax = 448 * scale_inv is rounded once less)."""
+    hp_dcp_hf.save_hf_checkpoint(build_family_model("llama", dtype=torch.bfloat16), tmp_path / "fp8",
+                                 quantize=BLOCK16, max_shard_size=SHARD)
+    loaded, _ = hp_dcp_hf.from_pretrained(str(tmp_path / "fp8"), model_cls=family_model_class("llama"),
+                                          dtype=torch.float32)
+    hp_dcp_hf.save_hf_checkpoint(loaded, tmp_path / "again", quantize=BLOCK16, max_shard_size=SHARD,
+                                 dtype=torch.bfloat16)
+    original, again = ({p.name: p.read_bytes() for p in (tmp_path / d).iterdir()} for d in ("fp8", "again"))
+    assert anonymized(again) == anonymized(original)
+
+
+# -- bad input -----------------------------------------------------------------------------------------
+
+
+def _bad_quantize():
+    from transformers.utils.quantization_config import FineGrainedFP8Config
+
+    return {
+        "unknown-name": ("int4", "must be one of ['fp8']"),
+        "other-method": ({"quant_method": "mxfp4"}, "quant_method 'fp8'"),
+        "type": (8, "got int"),
+        "ue8m0": (FineGrainedFP8Config(scale_fmt="ue8m0"), "scale_fmt='ue8m0'"),
+        "static": (FineGrainedFP8Config(activation_scheme="static"), "activation_scheme='static'"),
+        "per-tensor": (FineGrainedFP8Config(weight_block_size=None), "weight_block_size must be two positive ints"),
+        "embeddings": (FineGrainedFP8Config(modules_to_convert=["embed_tokens"]), "modules_to_convert"),
+    }
+
+
+@pytest.mark.parametrize("case", list(_bad_quantize()))
+def test_bad_quantize_is_an_argument_error_before_any_write(case, tmp_path):
+    quantize, words = _bad_quantize()[case]
+    with pytest.raises(ArgumentError, match=words.replace("[", r"\[").replace("]", r"\]")):
+        hp_dcp_hf.save_hf_checkpoint(build_family_model("llama"), tmp_path / "out", quantize=quantize)
+    assert not (tmp_path / "out").exists()
+
+
+def test_models_fp8_cannot_come_from_are_argument_errors(tmp_path):
+    """A model quantized already (transformers' FP8 model: its config and FP8 parameters), a module
+    that is not a transformers model, a model transformers' FP8 quantizer refuses (gpt-oss: experts
+    with biases), quantize= beside a planner: each an ArgumentError, nothing written."""
+    from hp_dcp_hf.save_planner import HFSavePlanner
+
+    fp8 = transformers_fp8_model(llama(**DIVISIBLE), fp8_config(BLOCK16))
+    cases = [
+        (fp8, {}, "quantized already \\(its config has a quantization_config\\)"),
+        (llama(**DIVISIBLE).to(FP8), {}, "quantized already \\(it holds model.embed_tokens.weight in torch.float8"),
+        (torch.nn.Linear(4, 4), {}, "needs a transformers model"),
+        (build_family_model("gpt_oss"), {}, "FP8 quantizer cannot convert GptOssForCausalLM"),
+    ]
+    for model, kwargs, words in cases:
+        with pytest.raises(ArgumentError, match=words):
+            hp_dcp_hf.save_hf_checkpoint(model, tmp_path / "out", quantize="fp8", **kwargs)
+    model = llama()
+    with pytest.raises(ArgumentError, match="goes to the planner given"):
+        hp_dcp_hf.save_hf_checkpoint(model, tmp_path / "out", quantize="fp8", planner=HFSavePlanner(model))
+    assert not (tmp_path / "out").exists()
