@@ -51,6 +51,8 @@ PROG = "hp-dcp-hf"
 
 DTYPE_CHOICES = ("auto", "bf16", "bfloat16", "float16", "float32", "fp16", "fp32")
 """``--dtype`` values (:mod:`hp_dcp_hf.model_dtype`: ``auto`` takes the config's, as transformers 5 does)."""
+SAVE_QUANTIZE_CHOICES = ("fp8",)
+"""``--save-quantize`` values: :data:`hp_dcp_hf.quantize.FORMATS`, not imported so that ``--help`` imports no torch."""
 
 TRANSFORMS = ("fuse_gate_up", "fuse_qkv", "grouped_gemm_experts")
 """The rewrites of :mod:`hp_dcp_hf.transforms`, listed by ``--help`` without importing them (a test
@@ -448,12 +450,12 @@ def _load(args: argparse.Namespace, rank: int, world: int) -> int:
             from hp_dcp_hf.api import save_hf_checkpoint
             from hp_dcp_hf.storage import HFStorageWriter
 
-            save_dtype = _save_dtype(args.save_dtype, reader.entries.values())
+            save_dtype = _save_dtype(args.save_dtype, reader.entries.values(), quantized=args.save_quantize is not None)
             save_options = args.storage_options if args.save_storage_options is None else args.save_storage_options
             writer = HFStorageWriter(args.save_to, max_shard_size=args.max_shard_size, dtype=save_dtype,
                                      progress=SaveProgress() if rank == 0 else None, **save_options)
             start = time.perf_counter()
-            save_hf_checkpoint(model, args.save_to, writer=writer)
+            save_hf_checkpoint(model, args.save_to, writer=writer, quantize=args.save_quantize)
             written, save_s = writer.bytes_written, time.perf_counter() - start
         assert planner_cls.last is not None and planner_cls.last.shard_bytes is not None
         row = {
@@ -523,16 +525,20 @@ def _say_once(error: Exception, rank: int) -> None:
         dist.barrier()
 
 
-def _save_dtype(choice: str, entries: Any) -> Any:
+def _save_dtype(choice: str, entries: Any, quantized: bool = False) -> Any:
     """The dtype ``--save-to`` writes: ``checkpoint`` is the one floating-point dtype of the
     checkpoint's unquantized tensors (a bf16 checkpoint saves back as bf16 whatever ``--dtype``
-    loaded it as; a mixed or quantized one keeps the model's dtypes), ``model`` the model's."""
+    loaded it as; a mixed or quantized one keeps the model's dtypes), ``model`` the model's. A save
+    that quantizes again (``quantized``) looks past an FP8 checkpoint's own weights and scales, so
+    one loaded into float32 is quantized from the bf16 values it was loaded from."""
     from hp_dcp_hf.model_dtype import parse_dtype
 
     if choice == "model":
         return None
     if choice != "checkpoint":
         return parse_dtype(choice)
+    if quantized:
+        entries = [e for e in entries if e.dtype.itemsize > 1 and not e.key.endswith("_scale_inv")]
     dtypes = {e.dtype for e in entries}
     floating = [d for d in dtypes if d.is_floating_point]
     return floating[0] if len(floating) == 1 and floating[0].itemsize > 1 else None
@@ -657,6 +663,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-dtype", default="checkpoint", choices=("checkpoint", "model", *DTYPE_CHOICES[1:]),
                    help="with --save-to: checkpoint writes the checkpoint's floating-point dtype (a bf16 "
                         "checkpoint saves back byte for byte), model the model's (--dtype)")
+    p.add_argument("--save-quantize", default=None, choices=SAVE_QUANTIZE_CHOICES,
+                   help="with --save-to: write a block-scaled FP8 checkpoint (quant_method fp8, 128x128 blocks) of "
+                        "the modules transformers' FP8 quantizer converts, quantized in the same pass")
     p.add_argument("--save-storage-option", action=_StorageOptions, dest="save_storage_options", default=None,
                    metavar="KEY=VALUE", help="with --save-to: an option of DIR's store, as --storage-option, "
                                              "repeatable (default: those of --storage-option)")

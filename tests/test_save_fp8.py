@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -245,6 +246,27 @@ def test_a_float32_model_quantizes_the_values_of_dtype(tmp_path):
                                  dtype=torch.bfloat16)
     original, again = ({p.name: p.read_bytes() for p in (tmp_path / d).iterdir()} for d in ("fp8", "again"))
     assert anonymized(again) == anonymized(original)
+
+
+def test_load_save_to_save_quantize_fp8(capsys, tmp_path):
+    """``hp-dcp-hf load PATH --save-to DIR --save-quantize fp8`` writes what ``save_hf_checkpoint(...,
+    quantize="fp8")`` writes, from a bf16 checkpoint and from that FP8 one (byte-identical again).
+    Loaded into float32 (``--dtype float32``), both quantize the checkpoint's bf16 values
+    (``--save-dtype checkpoint`` looks past the FP8 weights and their scales)."""
+    from hp_dcp_hf.cli import SAVE_QUANTIZE_CHOICES, main
+    from hp_dcp_hf.quantize import FORMATS
+
+    assert SAVE_QUANTIZE_CHOICES == FORMATS
+    model = llama(hidden_size=200, intermediate_size=260, head_dim=50)  # 128-blocks, partial ones
+    path = save_family_model(model, tmp_path / "bf16")
+    hp_dcp_hf.save_hf_checkpoint(model, tmp_path / "api", quantize="fp8")
+    assert math.prod(tensors(tmp_path / "api")["model.layers.0.self_attn.q_proj.weight_scale_inv"].shape) == 4
+    for source, out in ((path, "cli"), (tmp_path / "api", "again")):
+        code = main(["load", str(source), "--dtype", "float32", "--save-to", str(tmp_path / out),
+                     "--save-quantize", "fp8"])
+        assert code == 0, capsys.readouterr().err
+        api, cli = ({p.name: p.read_bytes() for p in (tmp_path / d).iterdir()} for d in ("api", out))
+        assert anonymized(cli) == anonymized(api), source
 
 
 # -- bad input -----------------------------------------------------------------------------------------
