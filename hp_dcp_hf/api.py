@@ -196,6 +196,7 @@ def save_hf_checkpoint(
     dtype: torch.dtype | None = None,
     weights_mapping: Sequence[WeightTransform] | None = None,
     quantize: Quantize | None = None,
+    pipeline_stage: bool = False,
     writer: HFStorageWriter | None = None,
     planner: HFSavePlanner | None = None,
     **storage_options: Any,
@@ -221,10 +222,15 @@ def save_hf_checkpoint(
     modules it converts are stored as ``float8_e4m3fn`` with their ``weight_scale_inv``, quantized
     from the values ``dtype`` gives, in the same single pass (ranks that share a scale block agree
     on its amax first; :mod:`hp_dcp_hf.quantize`).
+
+    ``pipeline_stage=True``: every rank's ``model`` is one pipeline stage (its layers, under their
+    names in the whole model); the stages together write one checkpoint, published once, each its
+    own tensors, and the coordinator checks that every checkpoint element is written exactly once.
     """
-    if planner is not None and quantize is not None:
-        raise ArgumentError("quantize= goes to the planner given (HFSavePlanner(model, quantize=...))")
-    planner = planner or HFSavePlanner(model, weights_mapping=weights_mapping, quantize=quantize)
+    if planner is not None and (quantize is not None or pipeline_stage):
+        raise ArgumentError("quantize= and pipeline_stage= go to the planner given (HFSavePlanner(model, ...))")
+    planner = planner or HFSavePlanner(model, weights_mapping=weights_mapping, quantize=quantize,
+                                       pipeline_stage=pipeline_stage)
     writer = writer if writer is not None else HFStorageWriter(
         path, max_shard_size=max_shard_size, dtype=dtype, **storage_options)
     try:

@@ -323,7 +323,7 @@ class HFMappingPlanner(LoadPlanner):
         # Collective (cooperative loads): first, before any check that may fail on one rank alone.
         replicas = None
         if planner_data.get(COOPERATE):
-            replicas = self.replicas or ReplicaGroups.gather(list(state_dict.values()))
+            replicas = self.replicas or ReplicaGroups.gather(state_dict)
         stored = {
             key: TensorSpec(tuple(md.size), md.properties.dtype)
             for key, md in metadata.state_dict_metadata.items()

@@ -249,6 +249,9 @@ class HFSavePlanner(SavePlanner):
             ``weight_block_size``, ``modules_to_not_convert``) to write the block-scaled FP8
             checkpoint transformers' FP8 quantizer makes of a transformers model. A model that is
             quantized already, or is not a transformers model, is an :class:`ArgumentError`.
+        pipeline_stage: this rank's model is one pipeline stage: checkpoint tensors it holds
+            nothing of are other stages' to write. Either way the coordinator checks, over every
+            rank's plan, that each checkpoint element is written exactly once.
 
     Tensors are planned in the model's dtypes (quantized ones in FP8, with their scales);
     :class:`~hp_dcp_hf.storage.HFStorageWriter` casts them on write when given a ``dtype``, and
@@ -256,9 +259,11 @@ class HFSavePlanner(SavePlanner):
     """
 
     def __init__(self, model: nn.Module, *, weights_mapping: Sequence[WeightTransform] | None = None,
-                 quantize: Quantize | None = None) -> None:
+                 quantize: Quantize | None = None, pipeline_stage: bool = False) -> None:
         self.model = model
         self.weights_mapping = weights_mapping
+        self.pipeline_stage = pipeline_stage
+        self._shapes: dict[str, tuple[int, ...]] = {}  # every checkpoint tensor the save writes, by key
         self.quantize = None if quantize is None else fp8_config(quantize)
         if self.quantize is not None:
             if not isinstance(model, PreTrainedModel) or getattr(model, "config", None) is None:
@@ -284,6 +289,20 @@ class HFSavePlanner(SavePlanner):
         return SavePlan(items, planner_data=request)
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        """Coordinator: every checkpoint element is written by exactly one rank, counted over all the
+        ranks' items (the per-rank checks see one rank's part; pipeline stages each hold one part)."""
+        written = dict.fromkeys(self._shapes, 0)
+        for plan in all_plans:
+            for item in plan.items:
+                if item.tensor_data is not None:
+                    key = item.index.fqn
+                    written[key] = written.get(key, 0) + math.prod(item.tensor_data.chunk.sizes)
+        wrong = [(key, n, math.prod(self._shapes.get(key, ()))) for key, n in written.items()
+                 if n != math.prod(self._shapes.get(key, ()))]
+        if wrong:
+            raise MappingError(f"{len(wrong)} checkpoint tensors would not be written exactly once by the ranks "
+                               "together (elements written of elements): " + ", ".join(
+                                   f"{key} {n} of {numel}" for key, n, numel in wrong[:5]), key=wrong[0][0])
         return all_plans, Metadata(state_dict_metadata={})
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
@@ -315,11 +334,11 @@ class HFSavePlanner(SavePlanner):
         # One name per tied group, the one the checkpoint makes (embed_tokens, not its lm_head alias)
         groups = alias_groups(self.model, list(state_dict))
         fill = sorted((next((n for n in g if n in composition.traced), g[0]) for g in groups), key=dot_natural_key)
-        self._check_inverse(composition, state_dict, fill, specs)
+        self._check_inverse(composition, state_dict, fill, specs, others_elsewhere=self.pipeline_stage)
         items: list[WriteItem] = []
         self._views.clear()
         self.bytes_planned = 0
-        replicas = ReplicaGroups.gather([state_dict[target] for target in fill])
+        replicas = ReplicaGroups.gather({target: state_dict[target] for target in fill})
         layout = None
         if quantized is not None:
             conversion, keys = quantized
@@ -344,6 +363,9 @@ class HFSavePlanner(SavePlanner):
                         items.append(_write_item(scale_name(block.key), owned, SCALE_DTYPE, layout.grid(block.key)))
                         self.bytes_planned += owned.numel * SCALE_DTYPE.itemsize
         tensors = {key: (spec.dtype, spec.shape) for key, spec in specs.items()}
+        self._shapes = {key: tuple(shape) for key, (_, shape) in tensors.items()}
+        if layout is not None:
+            self._shapes.update({scale_name(key): tuple(layout.grid(key)) for key in layout.shapes})
         metadata = {"total_parameters": skeleton.num_parameters()} if hasattr(skeleton, "num_parameters") else {}
         if quantized is not None:  # the FP8 model's: its scales are parameters too
             metadata = {"total_parameters": quantized[0].total_parameters}
@@ -359,10 +381,12 @@ class HFSavePlanner(SavePlanner):
         return items, request
 
     @staticmethod
-    def _check_inverse(composition: Composition, state_dict, fill: Sequence[str], specs) -> None:
+    def _check_inverse(composition: Composition, state_dict, fill: Sequence[str], specs, *,
+                       others_elsewhere: bool = False) -> None:
         """Loading the checkpoint makes every model tensor, in its shape, and every checkpoint element
         is one element of one model tensor: then writing each model element where the load reads it
-        from writes every checkpoint byte once, and nothing else."""
+        from writes every checkpoint byte once, and nothing else. ``others_elsewhere`` (a pipeline
+        stage): a checkpoint tensor none of whose elements this model holds is another stage's."""
         problems: list[tuple[str, str]] = []
         pieces: dict[str, list[Piece]] = {key: [] for key in specs}
         for target in fill:
@@ -381,6 +405,8 @@ class HFSavePlanner(SavePlanner):
         for key, claimed in pieces.items():
             numel = math.prod(specs[key].shape)
             n = sum(p.numel for p in claimed)
+            if n == 0 and others_elsewhere:
+                continue
             if n != numel:
                 problems.append((key, f"{n} of its {numel} elements come from the model"))
             elif _claimed_twice(claimed, specs[key].shape):

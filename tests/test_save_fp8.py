@@ -311,6 +311,6 @@ def test_models_fp8_cannot_come_from_are_argument_errors(tmp_path):
         with pytest.raises(ArgumentError, match=words):
             hp_dcp_hf.save_hf_checkpoint(model, tmp_path / "out", quantize="fp8", **kwargs)
     model = llama()
-    with pytest.raises(ArgumentError, match="goes to the planner given"):
+    with pytest.raises(ArgumentError, match="go to the planner given"):
         hp_dcp_hf.save_hf_checkpoint(model, tmp_path / "out", quantize="fp8", planner=HFSavePlanner(model))
     assert not (tmp_path / "out").exists()

@@ -6,12 +6,18 @@ copies: those ranks are replicas its placements do not show). Ranks tell each ot
 coordinate on each kind of mesh once (one ``all_gather_object`` of a few small tuples); a plain
 tensor in a process group is held by every rank. A save writes each tensor from one replica; a
 cooperative load reads each replicated byte once.
+
+Replicas also hold the same part of the model: pipeline stages lay their layers out on meshes of
+the same kind (each stage's ``dp`` submesh), yet rank 0 of one stage holds none of another stage's
+tensors. Ranks tell each other a digest of the names they hold (:func:`model_part`), and only ranks
+of one part are replicas of each other.
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -33,6 +39,11 @@ def mesh_coordinates(tensors: Sequence[torch.Tensor]) -> dict[MeshKind, tuple[in
     return {_mesh_kind(t): _coordinate(t) for t in tensors if isinstance(t, DTensor)}
 
 
+def model_part(names: Collection[str]) -> str:
+    """A digest of the tensor names a rank holds: ranks of one pipeline stage agree, others differ."""
+    return hashlib.sha1("\n".join(sorted(names)).encode()).hexdigest()
+
+
 def _coordinate(tensor: DTensor) -> tuple[int, ...] | None:
     coordinate = tensor.device_mesh.get_coordinate()
     return tuple(coordinate) if coordinate is not None else None
@@ -40,32 +51,37 @@ def _coordinate(tensor: DTensor) -> tuple[int, ...] | None:
 
 class ReplicaGroups:
     """The replicas of the tensors of ``world`` ranks (see the module docstring), from every rank's
-    :func:`mesh_coordinates` (``every[r]``); this rank is ``rank``. :meth:`gather` builds it."""
+    :func:`mesh_coordinates` (``every[r]``) and :func:`model_part` (``parts[r]``; default: one part
+    for all); this rank is ``rank``. :meth:`gather` builds it."""
 
-    def __init__(self, rank: int, world: int, every: Sequence[Mapping[MeshKind, tuple[int, ...] | None]]) -> None:
+    def __init__(self, rank: int, world: int, every: Sequence[Mapping[MeshKind, tuple[int, ...] | None]],
+                 parts: Sequence[str] | None = None) -> None:
         self.rank, self.world = rank, world
-        # kind -> coordinate -> the ranks holding it, in rank order
+        parts = parts if parts is not None else [""] * world
+        self.same_part = tuple(r for r in range(world) if parts[r] == parts[rank])
+        # kind -> coordinate -> the ranks of this rank's part holding it, in rank order
         self.holders: dict[MeshKind, dict[tuple[int, ...], list[int]]] = {}
-        for other, kinds in enumerate(every):
-            for kind, coordinate in kinds.items():
+        for other in self.same_part:
+            for kind, coordinate in every[other].items():
                 if coordinate is not None:
                     self.holders.setdefault(kind, {}).setdefault(tuple(coordinate), []).append(other)
 
     @classmethod
-    def gather(cls, tensors: Sequence[torch.Tensor]) -> ReplicaGroups:
-        """Every rank's coordinates, collectively (one ``all_gather_object``; none outside a process group)."""
-        mine = mesh_coordinates(tensors)
+    def gather(cls, tensors: Mapping[str, torch.Tensor]) -> ReplicaGroups:
+        """Every rank's coordinates and part (``tensors``: the ones it holds, by name), collectively
+        (one ``all_gather_object``; none outside a process group)."""
+        mine = (mesh_coordinates(list(tensors.values())), model_part(tensors))
         if not (dist.is_available() and dist.is_initialized()):
-            return cls(0, 1, [mine])
+            return cls(0, 1, [mine[0]])
         every: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(every, mine)
-        return cls(dist.get_rank(), dist.get_world_size(), every)
+        return cls(dist.get_rank(), dist.get_world_size(), [e[0] for e in every], [e[1] for e in every])
 
     def group(self, tensor: torch.Tensor) -> tuple[int, ...]:
         """The ranks holding this rank's local values of ``tensor``, this one included, in rank
         order; empty when this rank holds none of it."""
         if not isinstance(tensor, DTensor):
-            return tuple(range(self.world))
+            return self.same_part
         mesh, coordinate = tensor.device_mesh, tensor.device_mesh.get_coordinate()
         if coordinate is None:
             return ()
