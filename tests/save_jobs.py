@@ -78,7 +78,8 @@ def _strike(job: dict[str, Any], rank: int) -> None:
     pids = json.loads(Path(job["out"], "pids.json").read_text())
     for other, pid in enumerate(pids):
         if other != rank:
-            os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):  # reaped already: the zygote saw it die
+                os.kill(pid, signal.SIGKILL)
             while not _dead(pid):
                 time.sleep(0.01)
 
