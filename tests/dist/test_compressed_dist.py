@@ -38,19 +38,25 @@ CASES = {
     "mxfp4-tp4": ("mxfp4", "tp=4", (), torch.float32),
     "int8-asym-group-dp2tp2": ("int8-asym-group", "dp=2,tp=2", (), torch.bfloat16),
 }
+#: the same on a world of 2 ranks (column borders inside INT4 words and NVFP4 blocks, rows split)
+CASES_2 = {
+    "w4a16-asym-tp2": ("w4a16-asym", "tp=2", (), torch.bfloat16),
+    "nvfp4-dp2": ("nvfp4", "dp=2", (), torch.float32),
+}
+ALL_CASES = {**CASES, **CASES_2}
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
-def _run(rank: int, world: int, paths: dict) -> dict:
+def _run(rank: int, world: int, paths: dict, cases: dict) -> dict:
     import warnings
 
     from hp_dcp_hf import from_pretrained
 
     out = {}
-    for name, (checkpoint, mesh, transforms, dtype) in CASES.items():
+    for name, (checkpoint, mesh, transforms, dtype) in cases.items():
         path, twin, model_type = paths[checkpoint]
         states = {}
         for kind, where in (("compressed", path), ("twin", twin)):
@@ -83,21 +89,24 @@ def _run(rank: int, world: int, paths: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    needed = sorted({checkpoint for checkpoint, *_ in CASES.values()})
+    needed = sorted({checkpoint for checkpoint, *_ in ALL_CASES.values()})
     return {name: make_case(name, tmp_path_factory.mktemp(name)) for name in needed}
 
 
 @pytest.fixture(scope="module")
 def run(checkpoints):
-    """Every case's per-rank results, from one spawned world of 4 ranks."""
+    """Every case's per-rank results, from one spawned world of 4 ranks and one of 2."""
     paths = {name: (str(c.path), str(c.twin), c.model_type) for name, c in checkpoints.items()}
-    per_rank = run_ranks(4, _run, paths, timeout=400)
-    return {name: [rank_result[name] for rank_result in per_rank] for name in CASES}
+    out = {}
+    for world, cases in ((4, CASES), (2, CASES_2)):
+        per_rank = run_ranks(world, _run, paths, cases, timeout=400)
+        out.update({name: [rank_result[name] for rank_result in per_rank] for name in cases})
+    return out
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", list(ALL_CASES))
 def test_bit_identical_to_compressed_tensors(run, checkpoints, case):
-    name, _, transforms, dtype = CASES[case]
+    name, _, transforms, dtype = ALL_CASES[case]
     states = run[case][0]["states"]
     if transforms:
         expected = states["twin"]
@@ -110,7 +119,7 @@ def test_bit_identical_to_compressed_tensors(run, checkpoints, case):
     assert not sorted(k for k, v in expected.items() if not torch.equal(ours[k], v))
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", list(ALL_CASES))
 def test_each_rank_reads_what_it_needs(run, case):
     for result in run[case]:
         assert result["missing"] == () and result["unexpected"] == ()
@@ -118,11 +127,11 @@ def test_each_rank_reads_what_it_needs(run, case):
         assert result["quantized_bytes"] > 0 and result["scale_bytes"] > 0
 
 
-@pytest.mark.parametrize("case", ["w4a16-asym-tp4", "w4a16-asym-dp4", "nvfp4-tp4", "fp8-block-dp4"])
+@pytest.mark.parametrize("case", ["w4a16-asym-tp4", "w4a16-asym-dp4", "nvfp4-tp4", "fp8-block-dp4", "w4a16-asym-tp2"])
 def test_each_rank_reads_what_plan_ranks_says(run, checkpoints, case):
     """Each rank's quantized and scale bytes are those ``plan_ranks`` computes for its coordinate
     without a process group (the reads the one-process tests check box by box)."""
-    name, mesh, transforms, dtype = CASES[case]
+    name, mesh, transforms, dtype = ALL_CASES[case]
     plan = plan_ranks(str(checkpoints[name].path), mesh, transforms=transforms, dtype=dtype)
     for result, rank_plan in zip(run[case], plan["ranks"]):
         assert (result["bytes_needed"], result["quantized_bytes"], result["scale_bytes"]) == (
