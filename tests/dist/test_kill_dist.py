@@ -176,14 +176,21 @@ def test_a_kill_at_every_step_leaves_the_old_or_the_new_checkpoint(zygote, place
     steps = traced_steps(zygote, place, olds[old_kind])
     assert ("commit", 1) in steps and ("write_text", 1) in steps
     points = [(op, call, "before") for op, call in steps] + [(*steps[-1], "after")]
+    if place.kind == "s3" and old_kind == "one file":
+        # Up to the journal a save runs the same steps whatever the old checkpoint is ("same names"
+        # kills each of them on S3): over one file, the first of them and every step from the journal on.
+        journal = points.index(("write_text", 1, "before"))
+        points = points[:1] + points[journal:]
     outcomes = []
     for i, (op, call, when) in enumerate(points):
         path = place.fresh(olds[old_kind])
         exits, _, _ = zygote.start(path, NEW, kill={"rank": 0, "op": op, "call": call, "when": when},
                                    options=place.options).wait()
         assert exits[0] == -signal.SIGKILL, (op, call, exits)
-        every = 2 if place.kind == "local" else 4  # a save job to S3 costs more: every 4th recovers by one there
-        outcome = check_after_kill(place, path, states, "save" if i % every == every - 1 else "repair", zygote)
+        # Every other point recovers by the next save, locally; on S3, where a save job costs most, by
+        # repair (the same roll-forward a save runs first; S3's random kills recover by saves too).
+        by_save = place.kind == "local" and i % 2 == 1
+        outcome = check_after_kill(place, path, states, "save" if by_save else "repair", zygote)
         outcomes.append((op, call, when, outcome["before"]))
     # Before the journal the old checkpoint stands; once the switch is made, the new one.
     befores = [before for *_, before in outcomes]
