@@ -1,8 +1,9 @@
-"""Run one function on N gloo ranks in spawned processes and collect what each returns.
+"""Run one function on N gloo ranks in fresh processes and collect what each returns.
 
 For tests, benchmarks and one-machine demos: each rank sets up the default process group over TCP
 on 127.0.0.1 and runs ``fn(rank, world_size, *args)``; ``fn`` must be a module-level function of
-an importable module, since spawned processes import it by name:
+an importable module, since the rank processes import it by name (they fork from a server that has
+imported torch once, and get the launcher's environment and working directory):
 
     def _check(rank: int, world_size: int, path: str) -> int:
         ...                                  # the default process group is up (gloo, CPU)
@@ -47,9 +48,28 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+_PRELOAD = ["torch", "torch.distributed.checkpoint"]
+"""What the rank server imports once: torch and its DCP are most of a fresh rank's start (about 5 s
+of CPU each on the CI machines); modules that read the environment when imported (transformers,
+huggingface_hub) are left to each rank."""
+
+
+def _context() -> Any:
+    """Ranks fork from a server that imported :data:`_PRELOAD` once per launching process, instead
+    of each spawned rank importing it again; they get the launcher's environment and directory as
+    a spawned rank would (:func:`_worker`)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
 def _worker(
-    rank: int, world_size: int, port: int, timeout: float, fn: Callable, args: tuple, results: Any
+    rank: int, world_size: int, port: int, timeout: float, fn: Callable, args: tuple, results: Any,
+    environ: dict[str, str], cwd: str,
 ) -> None:
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(cwd)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))  # ranks share the cores
     ok = False
     try:
@@ -78,11 +98,13 @@ def _worker(
 
 def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 120) -> list[Any]:
     """``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; the list of their return values."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
     port = free_port()
+    environ, cwd = dict(os.environ), os.getcwd()
     procs = [
-        ctx.Process(target=_worker, args=(rank, world_size, port, timeout, fn, args, results), daemon=True)
+        ctx.Process(target=_worker, args=(rank, world_size, port, timeout, fn, args, results, environ, cwd),
+                    daemon=True)
         for rank in range(world_size)
     ]
     for proc in procs:
