@@ -1,0 +1,593 @@
+"""PEFT LoRA adapters: load ``adapter_model.safetensors`` into a sharded PEFT model by byte ranges,
+and save the sharded adapter back as the one file ``peft``'s ``save_pretrained`` writes.
+
+Why: a LoRA adapter of a sharded model (FSDP2, TP) is itself sharded. Gathering it to rank 0 to save
+it (what accelerate does, keeping rank 0's slice only under FSDP2: accelerate #4206) or reading the
+whole file on every rank to load it is what the planners of this package exist to avoid.
+
+The names. ``peft`` writes ``base_model.model.<module>.lora_A.weight``; the wrapped model holds
+``base_model.model.<module>.lora_A.<adapter name>.weight``. The correspondence is ``peft``'s own:
+:func:`adapter_keys` runs ``get_peft_model_state_dict`` (the key function of ``save_pretrained``)
+over the model's state dict, and checks it against the load side of ``set_peft_model_state_dict``
+(auxiliary wrappers' load maps, then the tuner's ``_remap_adapter_state_dict_for_load``). The
+planners then see only the adapter's tensors, under their file names (:class:`AdapterTensors`), so
+the checkpoint mapping is the identity and the rest is the package's ordinary load and save:
+:class:`~hp_dcp_hf.planner.HFMappingPlanner` reads each rank's boxes, and
+:class:`~hp_dcp_hf.save_planner.HFSavePlanner` with :class:`AdapterStorageWriter` writes them, each
+byte once, published atomically next to ``adapter_config.json``.
+
+Tensor parallelism: :func:`parallelize_lora` shards every LoRA layer the way its base layer's TP
+layout implies (:func:`lora_placements`).
+
+Only LoRA is supported (``peft_type: "LORA"``); a transformers-4 MoE adapter (per-expert keys that
+``peft`` converts with a block-diagonal op on load) is refused by name rather than converted.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+import tempfile
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import ReadItem, SavePlan
+from torch.distributed.tensor import (
+    DTensor,
+    Placement,
+    Replicate,
+    Shard,
+    distribute_module,
+    distribute_tensor,
+)
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    parallelize_module,
+)
+
+from hp_dcp_hf.api import load_hf_checkpoint, save_hf_checkpoint
+from hp_dcp_hf.errors import (
+    ArchitectureMismatchError,
+    ArgumentError,
+    CheckpointFormatError,
+    CheckpointNotFoundError,
+    HPDCPHFError,
+    LayoutError,
+    MappingError,
+    MissingKeysError,
+    PlanningError,
+    StorageWriteError,
+    UnexpectedKeysError,
+)
+from hp_dcp_hf.mapping.families import natural_sorted
+from hp_dcp_hf.planner import HFMappingPlanner, LoadReport, describe_keys
+from hp_dcp_hf.save_planner import HFSavePlanner
+from hp_dcp_hf.storage import HFStorageReader, filesystem, locate
+from hp_dcp_hf.storage.header import MAX_HEADER_BYTES
+from hp_dcp_hf.storage.journal import JOURNAL_FILE, Journal, Step
+from hp_dcp_hf.storage.writer import HFStorageWriter
+
+__all__ = [
+    "ADAPTER_CONFIG",
+    "ADAPTER_WEIGHTS",
+    "AdapterStorageWriter",
+    "AdapterTensors",
+    "LoraLayout",
+    "adapter_config_text",
+    "adapter_keys",
+    "load_peft_adapter",
+    "lora_placements",
+    "lora_tp_plan",
+    "parallelize_lora",
+    "read_adapter_config",
+    "save_peft_adapter",
+]
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"  # peft.utils.constants.SAFETENSORS_WEIGHTS_NAME
+ADAPTER_CONFIG = "adapter_config.json"  # peft.utils.constants.CONFIG_NAME
+_ONE_FILE = 2**62  # max_shard_size: peft writes every adapter into one file
+
+
+def _peft():
+    """``peft``, imported on use: the rest of the package does not depend on it."""
+    try:
+        import peft
+    except ImportError as e:  # pragma: no cover - the dev install has it
+        raise ArgumentError("PEFT adapters need the peft package (pip install peft)") from e
+    return peft
+
+
+# -- names ---------------------------------------------------------------------------------------
+
+
+def _peft_config(model: nn.Module, adapter_name: str) -> Any:
+    configs = getattr(model, "peft_config", None)
+    if not isinstance(configs, Mapping):
+        raise ArgumentError(f"{type(model).__name__} is not a PEFT model (no peft_config): wrap it with "
+                            "peft.get_peft_model(model, config) first")
+    if adapter_name not in configs:
+        raise ArgumentError(f"the model has no adapter {adapter_name!r} (it has {sorted(configs)})")
+    config = configs[adapter_name]
+    if str(getattr(config, "peft_type", "")) not in ("LORA", "PeftType.LORA"):
+        raise ArgumentError(f"adapter {adapter_name!r} is {config.peft_type}: only LoRA adapters are supported")
+    return config
+
+
+def adapter_keys(model: nn.Module, adapter_name: str = "default", *,
+                 save_embedding_layers: bool | str = "auto") -> dict[str, str]:
+    """The adapter's tensors as ``peft`` names them in ``adapter_model.safetensors``, each mapped to
+    the key of the model's state dict that holds it, in the file's natural order.
+
+    The names are peft's own: ``get_peft_model_state_dict`` (what ``save_pretrained`` writes) runs
+    over placeholders of the model's state dict, so no tensor is touched or gathered, and every
+    name is checked against what ``set_peft_model_state_dict`` maps it back to. A disagreement is a
+    :class:`PlanningError`: loading and saving would not be inverses.
+    """
+    peft = _peft()
+    _peft_config(model, adapter_name)
+    state = model.state_dict()
+    placeholders = {key: torch.empty(0, device="meta") for key in state}
+    by_id = {id(t): key for key, t in placeholders.items()}
+    selected = peft.get_peft_model_state_dict(model, state_dict=placeholders, adapter_name=adapter_name,
+                                              save_embedding_layers=save_embedding_layers)
+    names = {}
+    for file_key, tensor in selected.items():
+        model_key = by_id.get(id(tensor))
+        if model_key is None:  # a tensor peft made rather than selected: no byte range of the model holds it
+            raise PlanningError("peft's adapter state dict holds a tensor that is none of the model's",
+                                key=file_key)
+        names[file_key] = model_key
+    loaded = _peft_load_keys(model, list(names), adapter_name)
+    wrong = [(f, names[f], loaded.get(f)) for f in names if loaded.get(f) != names[f]]
+    if wrong:
+        file_key, saved_from, loaded_into = wrong[0]
+        raise PlanningError(f"peft saves {saved_from!r} under this name but loads the name into {loaded_into!r}",
+                            key=file_key)
+    return {key: names[key] for key in natural_sorted(names)}
+
+
+def _peft_load_keys(model: nn.Module, file_keys: list[str], adapter_name: str) -> dict[str, str]:
+    """Where ``set_peft_model_state_dict`` puts each of ``file_keys`` (its key steps only: the
+    auxiliary wrappers' load maps, then the tuner's remap, then the prefix rule)."""
+    _peft()
+    from peft.utils.other import AuxiliaryTrainingWrapper
+    from peft.utils.save_and_load import PEFT_TYPE_TO_TUNER_MAPPING
+
+    config = model.peft_config[adapter_name]
+    state = {key: key for key in file_keys}
+    for name, module in model.named_modules():
+        if isinstance(module, AuxiliaryTrainingWrapper):
+            key_map = module.adapter_state_dict_load_map(adapter_name)
+            for k, stored in key_map.items():
+                lookup = f"{name}.{k}"
+                if lookup in state:
+                    state[f"{name}.{stored}"] = state.pop(lookup)
+    tuner = PEFT_TYPE_TO_TUNER_MAPPING[config.peft_type]
+    placeholders = {key: torch.empty(0, device="meta") for key in state}
+    remapped = tuner._remap_adapter_state_dict_for_load(model=model, config=config, adapter_name=adapter_name,
+                                                        state_dict=placeholders)
+    by_id = {id(t): key for key, t in placeholders.items()}
+    prefix = "base_model.model."
+    requires_prefix = any(n.startswith(prefix) for n, _ in model.named_parameters())
+    out = {}
+    for model_key, tensor in remapped.items():
+        if not requires_prefix:
+            model_key = model_key.removeprefix(prefix)
+        out[state[by_id[id(tensor)]]] = model_key
+    return out
+
+
+class AdapterTensors(nn.Module):
+    """The adapter's tensors of ``model`` under their ``adapter_model.safetensors`` names: what the
+    planners load into and save from, so that their checkpoint mapping is the identity.
+
+    Not a copy: ``state_dict()`` hands out the model's own tensors (its DTensors, as sharded), and
+    ``named_parameters()`` its parameters, under the file's names.
+    """
+
+    def __init__(self, model: nn.Module, names: Mapping[str, str]) -> None:
+        super().__init__()
+        object.__setattr__(self, "_model", model)  # not a submodule: its state is not this module's
+        self.names = dict(names)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        full = self._model.state_dict()
+        return {file_key: full[model_key] for file_key, model_key in self.names.items()}
+
+    def _own(self, tensors: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        by_key = dict(tensors)
+        for file_key, model_key in self.names.items():
+            if model_key in by_key:
+                yield file_key, by_key[model_key]
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True,  # type: ignore[override]
+                         remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+        yield from self._own(self._model.named_parameters(remove_duplicate=False))
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True,  # type: ignore[override]
+                      remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from self._own(self._model.named_buffers(remove_duplicate=False))
+
+
+# -- adapter_config.json -------------------------------------------------------------------------
+
+
+def _join(path: str, name: str) -> str:
+    return f"{os.fspath(path).rstrip('/')}/{name}"
+
+
+def read_adapter_config(path: str | os.PathLike, storage_options: Mapping[str, Any] | None = None) -> Any:
+    """The ``PeftConfig`` of the adapter at ``path`` (its ``adapter_config.json``), read through
+    :mod:`hp_dcp_hf.storage` (local, S3, HTTP, the Hub) and parsed by ``PeftConfig.from_pretrained``,
+    so it is exactly the config ``peft`` would build. Wrap the model with it before sharding:
+    ``get_peft_model(model, read_adapter_config(path))``."""
+    peft = _peft()
+    location, single = locate(*filesystem(os.fspath(path), storage_options))
+    if single is not None:
+        raise ArgumentError(f"pass the adapter's directory, not the file {single!r}", file=os.fspath(path))
+    if not location.exists(ADAPTER_CONFIG):
+        raise CheckpointNotFoundError("the adapter has no adapter_config.json (peft's save_pretrained writes it "
+                                      "next to adapter_model.safetensors)", file=location.url(ADAPTER_CONFIG))
+    size = location.size(ADAPTER_CONFIG)
+    if size > MAX_HEADER_BYTES:
+        raise CheckpointFormatError(f"{size} bytes exceeds the {MAX_HEADER_BYTES}-byte cap",
+                                    file=location.url(ADAPTER_CONFIG))
+    with location.open(ADAPTER_CONFIG) as handle:
+        raw = handle.read(0, size)
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointFormatError(f"not JSON: {e}", file=location.url(ADAPTER_CONFIG)) from None
+    if not isinstance(data, dict) or "peft_type" not in data:
+        raise CheckpointFormatError("no peft_type: not a PEFT adapter config", file=location.url(ADAPTER_CONFIG),
+                                    key="peft_type")
+    with tempfile.TemporaryDirectory() as directory:  # peft's own parsing (defaults, old fields)
+        with open(os.path.join(directory, ADAPTER_CONFIG), "wb") as handle:
+            handle.write(raw)
+        try:
+            return peft.PeftConfig.from_pretrained(directory)
+        except (TypeError, ValueError, KeyError) as e:
+            raise CheckpointFormatError(f"peft cannot read it: {type(e).__name__}: {e}",
+                                        file=location.url(ADAPTER_CONFIG)) from e
+
+
+def _base_model_class(model: nn.Module, config: Any) -> type:
+    """The base model's class as ``save_pretrained`` names it in ``auto_mapping`` (the class
+    before FSDP2 wrapped it)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    cls = model._get_base_model_class(is_prompt_tuning=config.is_prompt_learning)
+    return next(c for c in cls.__mro__ if not issubclass(c, FSDPModule)) if issubclass(cls, FSDPModule) else cls
+
+
+def adapter_config_text(model: nn.Module, adapter_name: str = "default") -> str:
+    """``adapter_config.json`` as ``PeftModel.save_pretrained`` writes it for ``model``: the adapter's
+    config in inference mode, the base model's ``name_or_path`` when the config has none, the
+    ``auto_mapping`` of the base class (the unsharded one), through ``PeftConfig.save_pretrained``."""
+    config = copy.deepcopy(_peft_config(model, adapter_name))
+    if config.base_model_name_or_path is None:
+        base = model.base_model if config.is_prompt_learning else model.base_model.model
+        config.base_model_name_or_path = base.__dict__.get("name_or_path", None) or None
+    config.inference_mode = True
+    auto_mapping = None
+    if config.task_type is None:
+        cls = _base_model_class(model, config)
+        auto_mapping = {"base_model_class": cls.__name__, "parent_library": cls.__module__}
+    with tempfile.TemporaryDirectory() as directory:
+        config.save_pretrained(directory, auto_mapping_dict=auto_mapping)
+        with open(os.path.join(directory, ADAPTER_CONFIG), encoding="utf-8") as handle:
+            return handle.read()
+
+
+def _check_config(model: nn.Module, adapter_name: str, stored: Any, file: str) -> None:
+    """The adapter at ``file`` is for this model: a LoRA adapter, for its base class."""
+    if str(stored.peft_type) not in ("LORA", "PeftType.LORA"):
+        raise CheckpointFormatError(f"a {stored.peft_type} adapter: only LoRA adapters are supported", file=file,
+                                    key="peft_type")
+    mine = _peft_config(model, adapter_name)
+    named = (getattr(stored, "auto_mapping", None) or {}).get("base_model_class")
+    base = _base_model_class(model, mine).__name__
+    if named and named != base:
+        raise ArchitectureMismatchError(f"the adapter is for a {named}, the model's base is a {base}", file=file,
+                                        key="auto_mapping.base_model_class")
+
+
+# -- load ----------------------------------------------------------------------------------------
+
+
+class _AdapterLoadPlanner(HFMappingPlanner):
+    """The planner of an adapter load: before anything else, the file's tensors must be exactly the
+    model's adapter tensors, in its shapes (each error names the file and its first key)."""
+
+    def __init__(self, view: AdapterTensors, file: str, **kwargs: Any) -> None:
+        super().__init__(view, weights_mapping=[], strict=True, unexpected="raise", **kwargs)
+        self.file = file
+
+    def plan_reads(self, state_dict: Mapping[str, Any], metadata: Metadata) -> list[ReadItem]:
+        stored = {key: md for key, md in metadata.state_dict_metadata.items()
+                  if isinstance(md, TensorStorageMetadata)}
+        extra = natural_sorted(set(stored) - set(state_dict))
+        if extra:
+            per_expert = any(".experts." in key and key.split(".experts.", 1)[1][:1].isdigit() for key in extra)
+            hint = (" (per-expert keys: a transformers-4 MoE adapter, which peft converts with a block-diagonal op; "
+                    "convert it once with peft's PeftModel.from_pretrained + save_pretrained)" if per_expert else
+                    " (an adapter for another model, or other target_modules than the model was wrapped with)")
+            raise UnexpectedKeysError(f"{len(extra)} tensors of the adapter are no LoRA tensor of the model{hint}: "
+                                      f"{describe_keys(extra)}", file=self.file, key=extra[0])
+        absent = natural_sorted(set(state_dict) - set(stored))
+        if absent:
+            raise MissingKeysError(f"the adapter has no value for {len(absent)} LoRA tensors of the model (it was "
+                                   f"wrapped with other target_modules, or the file is cut): {describe_keys(absent)}",
+                                   file=self.file, key=absent[0])
+        shapes = [(key, tuple(stored[key].size), tuple(state_dict[key].shape)) for key in state_dict
+                  if tuple(stored[key].size) != tuple(state_dict[key].shape)]
+        if shapes:
+            key, file_shape, model_shape = sorted(shapes)[0]
+            raise MappingError(f"{len(shapes)} tensors differ in shape: the file holds {list(file_shape)}, the model "
+                               f"{list(model_shape)} (an adapter for another base model, or another rank r)",
+                               file=self.file, key=key)
+        return super().plan_reads(state_dict, metadata)
+
+
+def load_peft_adapter(
+    model: nn.Module,
+    path: str | os.PathLike,
+    *,
+    adapter_name: str = "default",
+    reader: HFStorageReader | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    **load_options: Any,
+) -> LoadReport:
+    """Load the LoRA adapter at ``path`` (a directory with ``adapter_model.safetensors`` and
+    ``adapter_config.json``, as ``peft`` writes them; local, S3, HTTP or the Hub) into adapter
+    ``adapter_name`` of the PEFT model ``model``, in place; every rank calls it.
+
+    ``model`` is wrapped already (``get_peft_model(base, read_adapter_config(path))``) and sharded
+    as it will train (FSDP2, TP through :func:`parallelize_lora`): each rank reads only the byte
+    ranges of its own shards of ``lora_A`` / ``lora_B``. The values are bit for bit those of
+    ``PeftModel.from_pretrained`` (cast to the parameters' dtypes as ``load_state_dict`` would).
+
+    Every check runs before a byte is written, so a refused adapter leaves the model as it was:
+    a missing ``adapter_config.json`` (:class:`CheckpointNotFoundError`), another ``peft_type``
+    (:class:`CheckpointFormatError`), an adapter for another base class
+    (:class:`ArchitectureMismatchError`), file tensors the model lacks (:class:`UnexpectedKeysError`),
+    LoRA tensors the file lacks (:class:`MissingKeysError`), other shapes (:class:`MappingError`);
+    each names the file, the key and why. ``reader`` may be given to read its statistics
+    afterwards; ``load_options`` go to :func:`~hp_dcp_hf.load_hf_checkpoint`.
+    """
+    path = os.fspath(path)
+    names = adapter_keys(model, adapter_name)
+    if not names:
+        raise ArgumentError(f"adapter {adapter_name!r} of the model has no tensors to load")
+    location, single = locate(*filesystem(path, storage_options))
+    if single is not None:
+        raise ArgumentError(f"pass the adapter's directory, not the file {single!r}", file=path)
+    stored = read_adapter_config(path, storage_options)
+    _check_config(model, adapter_name, stored, location.url(ADAPTER_CONFIG))
+    if not location.exists(ADAPTER_WEIGHTS):
+        raise CheckpointNotFoundError("the adapter has no adapter_model.safetensors", file=location.url(ADAPTER_WEIGHTS))
+    weights = _join(path, ADAPTER_WEIGHTS)
+    view = AdapterTensors(model, names)
+    planner = _AdapterLoadPlanner(view, location.url(ADAPTER_WEIGHTS))
+    reader = reader if reader is not None else HFStorageReader(weights, storage_options=storage_options)
+    return load_hf_checkpoint(view, weights, reader=reader, planner=planner, **load_options)
+
+
+# -- save ----------------------------------------------------------------------------------------
+
+
+class AdapterStorageWriter(HFStorageWriter):
+    """:class:`~hp_dcp_hf.storage.HFStorageWriter` laying out the one file ``peft`` writes,
+    ``adapter_model.safetensors`` (no index), and publishing it with ``adapter_config.json``
+    through the same journaled switch as every save (:mod:`hp_dcp_hf.storage.journal`): the
+    weights file is the entry, committed last; when the config changes, the old weights file is
+    removed before the new config is written, so no reader pairs a new config with old weights."""
+
+    def __init__(self, path: str | os.PathLike, *, config_text: str, **options: Any) -> None:
+        options.setdefault("max_shard_size", _ONE_FILE)
+        super().__init__(path, **options)
+        self.config_text = config_text
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        plan = super().prepare_local_plan(plan)
+        if self.index is not None or len(self.files) != 1:
+            raise PlanningError(f"an adapter is one file, the layout has {len(self.files)}", file=self.path)
+        file = self.files[0]
+        self.files = [dataclasses.replace(file, name=ADAPTER_WEIGHTS, tensors=tuple(
+            dataclasses.replace(t, file=ADAPTER_WEIGHTS) for t in file.tensors))]
+        self.tensors = {t.key: t for t in self.files[0].tensors}
+        self.extra_files = {ADAPTER_CONFIG: self.config_text}
+        return plan
+
+    def finish(self, metadata: Metadata, results: list[list[Any]]) -> None:
+        """Coordinator, once every rank wrote: publish the adapter (one journaled switch)."""
+        expected = sum(f.size - len(f.header) for f in self.files)
+        written = sum(r.size_in_bytes for rank in results for r in rank)
+        if written != expected:
+            raise StorageWriteError(f"the ranks wrote {written} bytes of tensor data, the file holds {expected}",
+                                    file=self.path)
+        assert self.staged is not None
+        staged, destination = self.staged, self.destination
+        destination.check_staged(staged, self.files)
+        existing = destination.list_names()
+        texts = {name: raw.decode() for name in self.extra_files if name in existing
+                 and (raw := destination.read_bytes(name)) is not None}
+        changed = {name: text for name, text in sorted(self.extra_files.items()) if texts.get(name) != text}
+        steps = [Step("remove", ADAPTER_WEIGHTS)] if changed and ADAPTER_WEIGHTS in existing else []
+        steps += [Step("write", name, text) for name, text in changed.items()]
+        steps.append(Step("commit", staged.names[ADAPTER_WEIGHTS]))
+        journal = Journal(staged.save_id, tuple(steps),
+                          {staged.names[name]: handle for name, handle in staged.handles.items()})
+        destination._journaled = staged.save_id  # its staging is kept from here on (see Destination.abort)
+        destination.write_text(JOURNAL_FILE, journal.to_json())  # the commit point
+        try:
+            destination.roll_forward(journal)
+        except (HPDCPHFError, OSError) as e:
+            raise StorageWriteError(f"publishing save {staged.save_id} stopped after its journal was written ({e}); "
+                                    "the next save into the path or `hp-dcp-hf repair` completes it",
+                                    file=destination.url) from e
+        destination.unlock()
+        self.staged = None
+
+    def saved(self) -> bool:
+        return self.save_id is not None and self.destination.save_id_of(ADAPTER_WEIGHTS) == self.save_id
+
+
+def save_peft_adapter(
+    model: nn.Module,
+    path: str | os.PathLike,
+    *,
+    adapter_name: str = "default",
+    save_embedding_layers: bool | str = "auto",
+    writer: AdapterStorageWriter | None = None,
+    planner: HFSavePlanner | None = None,
+    **storage_options: Any,
+) -> None:
+    """Write adapter ``adapter_name`` of the (sharded) PEFT model ``model`` as ``peft``'s
+    ``save_pretrained`` writes it for the unsharded adapter: ``adapter_model.safetensors`` (the
+    same keys, dtypes and bits) and ``adapter_config.json``, into ``path`` (or ``path/<adapter_name>``
+    for another adapter than ``"default"``, as peft does); every rank calls it.
+
+    Every rank writes the bytes of its own shards at their final offsets (a replicated tensor by one
+    of its replicas), nothing is gathered, and the files appear together only once every rank has
+    written (:class:`AdapterStorageWriter`). The safetensors header carries the save's id next to
+    ``"format": "pt"``; peft's README.md model card is not written.
+    """
+    names = adapter_keys(model, adapter_name, save_embedding_layers=save_embedding_layers)
+    if not names:
+        raise ArgumentError(f"adapter {adapter_name!r} of the model has no tensors to save")
+    directory = os.fspath(path) if adapter_name == "default" else _join(os.fspath(path), adapter_name)
+    view = AdapterTensors(model, names)
+    planner = planner or HFSavePlanner(view, weights_mapping=[])
+    writer = writer or AdapterStorageWriter(directory, config_text=adapter_config_text(model, adapter_name),
+                                            **storage_options)
+    save_hf_checkpoint(view, directory, weights_mapping=[], writer=writer, planner=planner)
+
+
+# -- tensor parallelism --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LoraLayout:
+    """How one LoRA layer is sharded over its base layer's TP mesh: ``base`` is ``"colwise"``
+    (base weight ``Shard(0)``), ``"rowwise"`` (``Shard(1)``) or ``"replicated"``."""
+
+    base: str
+    lora_A: Placement
+    lora_B: Placement
+
+
+def lora_placements(base_weight: tuple[Placement, ...]) -> LoraLayout:
+    """The placements of ``lora_A`` ``[r, in]`` and ``lora_B`` ``[out, r]`` that a base weight
+    ``[out, in]`` laid out as ``base_weight`` (over a 1-D TP mesh) implies, so that the LoRA path
+    computes the same shard of the output as the base layer:
+
+    - colwise base (``Shard(0)``: each rank holds some outputs, from the whole input): ``lora_A``
+      replicated, ``lora_B`` ``Shard(0)`` (its rows are those outputs);
+    - rowwise base (``Shard(1)``: each rank holds some inputs, outputs summed over ranks):
+      ``lora_A`` ``Shard(1)`` (its columns are those inputs; the ``[.., r]`` product is summed),
+      ``lora_B`` replicated;
+    - replicated base: both replicated.
+    """
+    if len(base_weight) != 1:
+        raise LayoutError(f"the base weight is laid out over {len(base_weight)} mesh dims {base_weight}: "
+                          "call parallelize_lora after TP and before fully_shard")
+    placement = base_weight[0]
+    if placement == Shard(0):
+        return LoraLayout("colwise", Replicate(), Shard(0))
+    if placement == Shard(1):
+        return LoraLayout("rowwise", Shard(1), Replicate())
+    if placement == Replicate():
+        return LoraLayout("replicated", Replicate(), Replicate())
+    raise LayoutError(f"no LoRA layout follows a base weight placed {placement}")
+
+
+def _lora_layers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    from peft.tuners.lora import LoraLayer
+
+    for name, module in model.named_modules():
+        if isinstance(module, LoraLayer):
+            yield name, module
+
+
+def lora_tp_plan(model: nn.Module) -> dict[str, LoraLayout]:
+    """Every LoRA layer of ``model`` whose base layer is tensor-parallel, with the layout
+    :func:`lora_placements` derives from its base weight; base layers without a DTensor weight
+    are left out (their LoRA stays as it is). A sharded base this cannot follow (an embedding,
+    a LoRA on a parameter such as stacked experts, a model sharded by FSDP2 already) is a
+    :class:`LayoutError` naming the module."""
+    from peft.tuners.lora import Linear as LoraLinear
+    from torch.distributed.fsdp import FSDPModule
+
+    plan: dict[str, LoraLayout] = {}
+    for name, module in _lora_layers(model):
+        base = module.get_base_layer()
+        params = list(base.parameters(recurse=False))
+        if not any(isinstance(p, DTensor) for p in params):
+            continue
+        if any(isinstance(m, FSDPModule) for m in model.modules()):
+            raise LayoutError("the model is sharded by fully_shard already: call parallelize_lora after TP and "
+                              "before fully_shard", key=name)
+        if not isinstance(module, LoraLinear) or not isinstance(base, nn.Linear):
+            raise LayoutError(f"a LoRA {type(module).__name__} over a tensor-parallel {type(base).__name__}: only "
+                              "LoRA on nn.Linear follows a TP layout", key=name)
+        try:
+            plan[name] = lora_placements(tuple(base.weight.placements))
+        except LayoutError as e:
+            raise LayoutError(e.reason, key=name) from None
+    return plan
+
+
+class _ReplicateParallel(ParallelStyle):
+    """A module replicated over the TP mesh: parameters ``Replicate`` DTensors, inputs and outputs
+    plain local tensors (the same on every rank), like the base layer's own."""
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        def partition(name: str, mod: nn.Module, mesh: Any) -> None:
+            for param_name, param in list(mod.named_parameters(recurse=False)):
+                mod.register_parameter(param_name, nn.Parameter(distribute_tensor(param, mesh, [Replicate()]),
+                                                                requires_grad=param.requires_grad))
+
+        def inputs(mod: nn.Module, args: tuple, mesh: Any) -> tuple:
+            return tuple(DTensor.from_local(a, mesh, [Replicate()], run_check=False)
+                         if isinstance(a, torch.Tensor) and not isinstance(a, DTensor) else a for a in args)
+
+        def outputs(mod: nn.Module, out: Any, mesh: Any) -> Any:
+            return out.to_local() if isinstance(out, DTensor) else out
+
+        return distribute_module(module, device_mesh, partition, inputs, outputs)
+
+
+def _style(placement: Placement, role: str) -> ParallelStyle:
+    if placement == Replicate():
+        return _ReplicateParallel()
+    if role == "lora_B" and placement == Shard(0):
+        return ColwiseParallel()
+    if role == "lora_A" and placement == Shard(1):
+        return RowwiseParallel()
+    raise LayoutError(f"no parallel style places {role} as {placement}")  # pragma: no cover - lora_placements' own
+
+
+def parallelize_lora(model: nn.Module) -> dict[str, LoraLayout]:
+    """Shard the LoRA layers of a tensor-parallel PEFT model as their base layers are sharded
+    (:func:`lora_tp_plan`), with torch's ``parallelize_module``: a colwise base gets its ``lora_B``
+    ``ColwiseParallel`` and its ``lora_A`` replicated, a rowwise base its ``lora_A``
+    ``RowwiseParallel`` and its ``lora_B`` replicated, so ``base(x) + B(A(x))`` adds two shards of
+    the same outputs. Call it after TP of the base (and ``get_peft_model``), before ``fully_shard``.
+    Returns the plan applied (module name -> :class:`LoraLayout`)."""
+    plan = lora_tp_plan(model)
+    for name, layout in plan.items():
+        module = model.get_submodule(name)
+        mesh = module.get_base_layer().weight.device_mesh
+        for role, placement in (("lora_A", layout.lora_A), ("lora_B", layout.lora_B)):
+            for adapter in getattr(module, role).values():
+                parallelize_module(adapter, mesh, _style(placement, role))
+    return plan

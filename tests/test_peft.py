@@ -1,0 +1,288 @@
+"""PEFT LoRA adapters in one process (:mod:`hp_dcp_hf.integrations.peft`): the key mapping is
+peft's own and round-trips, the TP layout derivation, loads and saves bit-identical to
+``PeftModel.from_pretrained`` / ``save_pretrained``, and bad adapters refused by name before any
+byte of the model changes. The multi-rank cases (FSDP2, TP) are in ``tests/dist/test_peft_dist.py``.
+
+Oracles are peft's own calls on real tiny transformers models (``tests.models``); nothing of peft
+is mocked.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from torch.distributed.tensor import Replicate, Shard
+
+from tests.models import build_model, make_checkpoint, model_class
+
+pytest.importorskip("peft")
+
+from hp_dcp_hf.errors import (  # noqa: E402
+    ArchitectureMismatchError,
+    CheckpointNotFoundError,
+    HPDCPHFError,
+    LayoutError,
+    MappingError,
+    MissingKeysError,
+    UnexpectedKeysError,
+)
+from hp_dcp_hf.integrations.peft import (  # noqa: E402
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    adapter_keys,
+    load_peft_adapter,
+    lora_placements,
+    read_adapter_config,
+    save_peft_adapter,
+)
+from hp_dcp_hf.storage import HFStorageReader  # noqa: E402
+
+# LoRA on attention and on the dense MLP Linears (llama), on attention and on the stacked experts'
+# parameters (qwen3_moe: its MLP is experts only, which peft targets as parameters, ParamWrapper).
+TARGETS = {
+    "llama": dict(target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+    "qwen3_moe": dict(target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                      target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]),
+}
+RANK = 6  # rows of lora_A: 6 over 4 ranks is uneven (2, 2, 1, 1)
+_SET_FIELDS = ("target_modules", "target_parameters", "exclude_modules", "modules_to_save")
+
+
+def make_adapter(family: str, root: Path, *, seed: int = 1) -> tuple[Path, Path]:
+    """A tiny float32 base checkpoint of ``family`` and a LoRA adapter of it with random values
+    (``init_lora_weights=False``: lora_B is not zero), both written by their libraries'
+    ``save_pretrained``."""
+    from peft import LoraConfig, get_peft_model
+
+    base = make_checkpoint(family, root / f"{family}-base", dtype=torch.float32)
+    torch.manual_seed(seed)
+    config = LoraConfig(r=RANK, lora_alpha=12, init_lora_weights=False, base_model_name_or_path=str(base),
+                        **TARGETS[family])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = get_peft_model(build_model(family, dtype=torch.float32), config)
+        model.save_pretrained(root / f"{family}-adapter")
+    return base, root / f"{family}-adapter"
+
+
+def peft_reference(family: str, base: Path, adapter: Path, out: Path):
+    """peft's own, in one process: ``PeftModel.from_pretrained`` of the base and the adapter, and its
+    ``save_pretrained`` into ``out``."""
+    from peft import PeftModel
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = PeftModel.from_pretrained(model_class(family).from_pretrained(base, dtype=torch.float32), adapter)
+        model.save_pretrained(out)
+    return model
+
+
+def wrapped(family: str, base: Path, adapter: Path):
+    """The base model, wrapped by peft with the adapter's config (random LoRA values)."""
+    from peft import get_peft_model
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return get_peft_model(model_class(family).from_pretrained(base, dtype=torch.float32),
+                              read_adapter_config(adapter))
+
+
+def _normalized_config(path: Path) -> dict:
+    """adapter_config.json with the fields peft keeps as sets sorted (their JSON order is the set's
+    iteration order, which differs between processes)."""
+    data = json.loads((path / ADAPTER_CONFIG).read_text())
+    return {key: sorted(value) if key in _SET_FIELDS and isinstance(value, list) else value
+            for key, value in data.items()}
+
+
+def _data_section(file: Path) -> bytes:
+    raw = file.read_bytes()
+    return raw[8 + struct.unpack("<Q", raw[:8])[0]:]
+
+
+def assert_same_adapter(ours: Path, reference: Path) -> None:
+    """The two files peft's save_pretrained writes for an adapter: the same safetensors keys,
+    dtypes, shapes and bits (the tensor data byte for byte; our header adds the save id), and the
+    same adapter_config.json."""
+    assert {ADAPTER_WEIGHTS, ADAPTER_CONFIG} <= {p.name for p in reference.iterdir()}
+    assert sorted(p.name for p in ours.iterdir()) == [ADAPTER_CONFIG, ADAPTER_WEIGHTS]
+    expected, actual = load_file(reference / ADAPTER_WEIGHTS), load_file(ours / ADAPTER_WEIGHTS)
+    assert sorted(actual) == sorted(expected)
+    for key, value in expected.items():
+        assert actual[key].dtype == value.dtype and torch.equal(actual[key], value), key
+    assert _data_section(ours / ADAPTER_WEIGHTS) == _data_section(reference / ADAPTER_WEIGHTS)
+    assert _normalized_config(ours) == _normalized_config(reference)
+
+
+def adapter_values(model) -> dict[str, torch.Tensor]:
+    """The adapter's tensors of ``model`` under their model keys, whole (DTensors gathered)."""
+    from torch.distributed.tensor import DTensor
+
+    state = model.state_dict()
+    return {key: (state[key].full_tensor() if isinstance(state[key], DTensor) else state[key]).detach().clone()
+            for key in adapter_keys(model).values()}
+
+
+@pytest.fixture(scope="module", params=list(TARGETS))
+def adapter(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(f"peft-{request.param}")
+    base, path = make_adapter(request.param, root)
+    reference = peft_reference(request.param, base, path, root / "reference")
+    return request.param, base, path, reference, root / "reference"
+
+
+# -- the key mapping --------------------------------------------------------------------------------
+
+
+def test_keys_are_peft_file_keys_mapped_to_the_adapters_parameters(adapter):
+    family, base, path, reference, _ = adapter
+    names = adapter_keys(reference)
+    assert sorted(names) == sorted(load_file(path / ADAPTER_WEIGHTS))  # exactly what save_pretrained wrote
+    lora = {key for key in reference.state_dict() if ".lora_" in key}
+    assert set(names.values()) == lora  # every LoRA tensor, nothing of the base
+    for file_key, model_key in names.items():
+        assert model_key == file_key.replace(".lora_A.", ".lora_A.default.").replace(".lora_B.", ".lora_B.default.")
+    if family == "qwen3_moe":  # the experts' parameters (nested ParamWrappers)
+        assert "base_model.model.model.layers.1.mlp.experts.base_layer.lora_A.weight" in names
+        assert "base_model.model.model.layers.1.mlp.experts.lora_B.weight" in names
+
+
+def test_keys_of_another_adapter_name(adapter):
+    """peft's names carry no adapter name: a second adapter maps the same file keys to its own
+    parameters."""
+    family, base, path, reference, _ = adapter
+    reference.load_adapter(path, adapter_name="other")
+    try:
+        names = adapter_keys(reference, "other")
+        assert sorted(names) == sorted(adapter_keys(reference))
+        assert all(".other." in key and ".default." not in key for key in names.values())
+    finally:
+        reference.delete_adapter("other")
+
+
+# -- the TP layout ----------------------------------------------------------------------------------
+
+
+def test_lora_placements_follow_the_base_layer():
+    colwise, rowwise, replicated = lora_placements((Shard(0),)), lora_placements((Shard(1),)), lora_placements((Replicate(),))
+    assert (colwise.base, colwise.lora_A, colwise.lora_B) == ("colwise", Replicate(), Shard(0))
+    assert (rowwise.base, rowwise.lora_A, rowwise.lora_B) == ("rowwise", Shard(1), Replicate())
+    assert (replicated.lora_A, replicated.lora_B) == (Replicate(), Replicate())
+    with pytest.raises(LayoutError, match="before fully_shard"):
+        lora_placements((Shard(0), Shard(0)))
+
+
+# -- load and save in one process -------------------------------------------------------------------
+
+
+def test_load_is_bit_identical_to_peft_and_reads_each_byte_once(adapter):
+    family, base, path, reference, _ = adapter
+    model = wrapped(family, base, path)
+    expected = adapter_values(reference)
+    assert any(not torch.equal(v, expected[k]) for k, v in adapter_values(model).items())  # random before
+    reader = HFStorageReader(path / ADAPTER_WEIGHTS)
+    report = load_peft_adapter(model, path, reader=reader)
+    assert adapter_values(model).keys() == expected.keys()
+    assert all(torch.equal(v, expected[k]) for k, v in adapter_values(model).items())
+    assert sorted(report.loaded_keys) == sorted(load_file(path / ADAPTER_WEIGHTS)) and not report.missing_keys
+    stats = reader.stats.total()
+    file_bytes = sum(t.numel() * t.element_size() for t in load_file(path / ADAPTER_WEIGHTS).values())
+    assert stats.bytes_read == stats.bytes_needed == file_bytes
+
+
+def test_save_writes_what_peft_save_pretrained_writes(adapter, tmp_path):
+    family, base, path, reference, reference_dir = adapter
+    save_peft_adapter(reference, tmp_path / "ours")
+    assert_same_adapter(tmp_path / "ours", reference_dir)
+    save_peft_adapter(reference, tmp_path / "ours")  # over an older save: replaced whole
+    assert_same_adapter(tmp_path / "ours", reference_dir)
+
+
+def test_another_adapter_saves_into_its_subdirectory_as_peft_does(adapter, tmp_path):
+    family, base, path, reference, _ = adapter
+    reference.load_adapter(path, adapter_name="other")
+    try:
+        reference.save_pretrained(tmp_path / "peft", selected_adapters=["other"])
+        save_peft_adapter(reference, tmp_path / "ours", adapter_name="other")
+        assert_same_adapter(tmp_path / "ours" / "other", tmp_path / "peft" / "other")
+    finally:
+        reference.delete_adapter("other")
+
+
+# -- bad adapters: refused by name, the model unchanged ---------------------------------------------
+
+
+def _copy_adapter(path: Path, to: Path) -> Path:
+    shutil.copytree(path, to)
+    return to
+
+
+def _refused(model, path: Path, error: type[HPDCPHFError]) -> HPDCPHFError:
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(error) as info:
+        load_peft_adapter(model, path)
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before), "a refused adapter changed the model"
+    return info.value
+
+
+def test_missing_adapter_config_is_named(adapter, tmp_path):
+    family, base, path, _, _ = adapter
+    broken = _copy_adapter(path, tmp_path / "broken")
+    (broken / ADAPTER_CONFIG).unlink()
+    error = _refused(wrapped(family, base, path), broken, CheckpointNotFoundError)
+    assert error.file.endswith(ADAPTER_CONFIG) and "adapter_config.json" in str(error)
+
+
+def test_keys_that_match_no_lora_tensor_are_named(adapter, tmp_path):
+    family, base, path, _, _ = adapter
+    broken = _copy_adapter(path, tmp_path / "broken")
+    tensors = load_file(path / ADAPTER_WEIGHTS)
+    first = sorted(tensors)[0]
+    tensors[first.replace("layers.0.", "layers.7.")] = tensors.pop(first)
+    save_file(tensors, broken / ADAPTER_WEIGHTS, metadata={"format": "pt"})
+    error = _refused(wrapped(family, base, path), broken, UnexpectedKeysError)
+    assert error.file.endswith(ADAPTER_WEIGHTS) and error.key == first.replace("layers.0.", "layers.7.")
+    assert "no LoRA tensor of the model" in error.reason
+
+
+def test_lora_tensors_the_file_lacks_are_named(adapter, tmp_path):
+    family, base, path, _, _ = adapter
+    broken = _copy_adapter(path, tmp_path / "broken")
+    tensors = load_file(path / ADAPTER_WEIGHTS)
+    dropped = sorted(tensors)[-1]
+    del tensors[dropped]
+    save_file(tensors, broken / ADAPTER_WEIGHTS, metadata={"format": "pt"})
+    error = _refused(wrapped(family, base, path), broken, MissingKeysError)
+    assert error.file.endswith(ADAPTER_WEIGHTS) and error.key == dropped
+
+
+def test_an_adapter_for_another_base_is_refused(adapter, tmp_path):
+    """Another base class (the config's auto_mapping), and another base size (the shapes)."""
+    family, base, path, _, _ = adapter
+    broken = _copy_adapter(path, tmp_path / "other-class")
+    config = json.loads((broken / ADAPTER_CONFIG).read_text())
+    config["auto_mapping"]["base_model_class"] = "MistralForCausalLM"
+    (broken / ADAPTER_CONFIG).write_text(json.dumps(config))
+    error = _refused(wrapped(family, base, path), broken, ArchitectureMismatchError)
+    assert error.file.endswith(ADAPTER_CONFIG) and error.key == "auto_mapping.base_model_class"
+    assert "MistralForCausalLM" in error.reason
+
+    other_root = tmp_path / "other-size"
+    other_root.mkdir()
+    from peft import LoraConfig, get_peft_model
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        other = get_peft_model(build_model(family, dtype=torch.float32, hidden_size=64, head_dim=16),
+                               LoraConfig(r=RANK, init_lora_weights=False, **TARGETS[family]))
+        other.save_pretrained(other_root)
+    error = _refused(wrapped(family, base, path), other_root, MappingError)
+    assert error.file.endswith(ADAPTER_WEIGHTS) and error.key is not None and "shape" in error.reason
