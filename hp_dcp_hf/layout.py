@@ -23,12 +23,23 @@ So along each tensor dim a rank holds runs of consecutive global indices, laid e
 its pieces are the products of those runs. Runs are merged whenever they continue each other, so no
 two pieces could merge into one box. Pieces are never empty: a rank whose local shard is empty gets
 no pieces, and has nothing to read.
+
+Plain local shards (torch's ``CheckpointableTensor`` protocol, torch 2.14's
+``torch/distributed/checkpoint/protocol.py``, what torchtitan's ``spmd_types`` backend moves to) say
+their geometry themselves: a local tensor with ``global_shape`` and, per shard, ``global_offsets``,
+``local_offsets`` (where it starts in the local tensor) and ``local_sizes``; several shards per
+tensor, and local elements no shard covers (padding). The protocol is duck-typed (no class to derive
+from), so :func:`is_checkpointable` checks the four attributes, and every question "which global
+shape, which local data, which pieces" goes through this module (:func:`global_shape`,
+:func:`local_tensor`, :func:`local_shard_pieces`), for DTensors, such tensors and whole plain tensors
+alike.
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -76,9 +87,160 @@ def shard_pieces(
     return _pieces(_dim_runs(global_shape, mesh_shape, coordinate, steps))
 
 
+CHECKPOINTABLE_FIELDS = ("global_shape", "global_offsets", "local_offsets", "local_sizes")
+"""The attributes of torch's ``CheckpointableTensor`` protocol, all four present on a tensor that follows it."""
+
+
+def is_checkpointable(tensor: Any) -> bool:
+    """Whether ``tensor`` is a plain local tensor following torch's ``CheckpointableTensor`` protocol.
+
+    Duck-typed, as torch checks it (a ``runtime_checkable`` protocol: the four attributes present),
+    so it works on a torch without the protocol module. A DTensor is read by its placements, which
+    this module computes exactly, whatever attributes it also carries.
+    """
+    return (isinstance(tensor, torch.Tensor) and not isinstance(tensor, DTensor)
+            and all(hasattr(tensor, name) for name in CHECKPOINTABLE_FIELDS))
+
+
+def global_shape(tensor: torch.Tensor) -> tuple[int, ...]:
+    """The shape of the logical tensor: a protocol tensor's ``global_shape`` (its own shape is that of
+    its local buffer), a DTensor's or a plain tensor's shape."""
+    if is_checkpointable(tensor):
+        return tuple(int(size) for size in tensor.global_shape)
+    return tuple(tensor.shape)
+
+
+def global_numel(tensor: torch.Tensor) -> int:
+    """The elements of the logical tensor (see :func:`global_shape`)."""
+    return math.prod(global_shape(tensor))
+
+
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """The data this rank holds: a DTensor's local shard (a view of it), a plain tensor itself."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    """The data this rank holds: a DTensor's local shard (a view of it), a protocol tensor's local
+    buffer (detached: a parameter handed out with ``keep_vars`` is written in place), a plain tensor
+    itself."""
+    if isinstance(tensor, DTensor):
+        return tensor.to_local()
+    return tensor.detach() if is_checkpointable(tensor) else tensor
+
+
+def held_views(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """Views of the local elements that hold values of the logical tensor: one per piece of a
+    protocol tensor (its padding holds none), the whole local tensor otherwise (a DTensor's pieces
+    tile its local shard)."""
+    local = local_tensor(tensor)
+    if not is_checkpointable(tensor):
+        return [local]
+    return [local[piece.local_box().slices()] for piece in local_shard_pieces(tensor)]
+
+
+def mark_checkpointable(
+    tensor: torch.Tensor,
+    global_shape: Sequence[int],
+    global_offsets: Sequence[Sequence[int]],
+    local_offsets: Sequence[Sequence[int]],
+    local_sizes: Sequence[Sequence[int]],
+) -> torch.Tensor:
+    """Give ``tensor`` (a local buffer, a parameter) the protocol's attributes, checked against its
+    shape (a :class:`LayoutError` names the first shard that does not fit); returns ``tensor``."""
+    fields = (tuple(int(s) for s in global_shape), *(tuple(tuple(int(i) for i in entry) for entry in entries)
+                                                     for entries in (global_offsets, local_offsets, local_sizes)))
+    checkpointable_pieces(*fields, tuple(tensor.shape))
+    for name, value in zip(CHECKPOINTABLE_FIELDS, fields, strict=True):
+        setattr(tensor, name, value)
+    return tensor
+
+
+def keep_shard_geometry(model: torch.nn.Module) -> torch.nn.Module:
+    """Make ``model.state_dict()`` hand out its protocol tensors' geometry too.
+
+    ``state_dict()`` detaches every parameter, and a detached tensor is a new object without the
+    attributes: the four are copied over from each parameter and buffer that has them (what torch's
+    ``_copy_checkpointable_tensor_metadata`` does), so ``load_hf_checkpoint(model, ...)`` and
+    ``save_hf_checkpoint(model, ...)`` see the shards. Registered once per model; returns ``model``.
+    """
+    if getattr(model, "_hp_dcp_hf_keeps_shard_geometry", False):
+        return model
+
+    def copy_geometry(module: torch.nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+        for name, tensor in (*module.named_parameters(remove_duplicate=False),
+                             *module.named_buffers(remove_duplicate=False)):
+            entry = state_dict.get(prefix + name)
+            if entry is not None and entry is not tensor and is_checkpointable(tensor):
+                for field in CHECKPOINTABLE_FIELDS:
+                    setattr(entry, field, getattr(tensor, field))
+
+    model.register_state_dict_post_hook(copy_geometry)
+    model._hp_dcp_hf_keeps_shard_geometry = True
+    return model
+
+
+def checkpointable_pieces(
+    global_shape: tuple[int, ...],
+    global_offsets: tuple[tuple[int, ...], ...],
+    local_offsets: tuple[tuple[int, ...], ...],
+    local_sizes: tuple[tuple[int, ...], ...],
+    local_shape: tuple[int, ...],
+    *,
+    key: str | None = None,
+) -> tuple[ShardPiece, ...]:
+    """The pieces of a protocol tensor: one per non-empty shard, sorted by local offset. Pure.
+
+    Raises :class:`LayoutError` for geometry that would fill wrong places: field lists of different
+    lengths or ranks, a shard outside the global shape or the local tensor, and two shards of one
+    rank that overlap, globally (one value twice: a save would write it twice) or locally (two
+    values in one place). Padding (local elements no shard covers) is allowed.
+    """
+    try:
+        return _checkpointable_pieces(tuple(int(s) for s in global_shape), _entries(global_offsets),
+                                      _entries(local_offsets), _entries(local_sizes), tuple(local_shape))
+    except LayoutError as e:
+        raise LayoutError(e.reason, key=key) from None
+    except (TypeError, ValueError) as e:
+        raise LayoutError(f"CheckpointableTensor geometry is not integer tuples: {e}", key=key) from None
+
+
+def _entries(entries: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(int(i) for i in entry) for entry in entries)
+
+
+@functools.lru_cache(maxsize=4096)
+def _checkpointable_pieces(
+    shape: tuple[int, ...],
+    global_offsets: tuple[tuple[int, ...], ...],
+    local_offsets: tuple[tuple[int, ...], ...],
+    local_sizes: tuple[tuple[int, ...], ...],
+    local_shape: tuple[int, ...],
+) -> tuple[ShardPiece, ...]:
+    if not len(global_offsets) == len(local_offsets) == len(local_sizes):
+        raise LayoutError(f"CheckpointableTensor lists {len(global_offsets)} global_offsets, {len(local_offsets)} "
+                          f"local_offsets and {len(local_sizes)} local_sizes: one each per shard")
+    ndim = len(shape)
+    if len(local_shape) != ndim:
+        raise LayoutError(f"local tensor of shape {local_shape} and global_shape {shape} differ in rank")
+    if any(size < 0 for size in shape):
+        raise LayoutError(f"global_shape {shape} has a negative size")
+    pieces: list[ShardPiece] = []
+    for i, (g, lo, sizes) in enumerate(zip(global_offsets, local_offsets, local_sizes)):
+        if not len(g) == len(lo) == len(sizes) == ndim:
+            raise LayoutError(f"shard {i}: global offset {g}, local offset {lo} and size {sizes} must each have "
+                              f"{ndim} entries")
+        if any(v < 0 for v in (*g, *lo, *sizes)):
+            raise LayoutError(f"shard {i}: negative offset or size (global {g}, local {lo}, size {sizes})")
+        if any(o + s > n for o, s, n in zip(g, sizes, shape)):
+            raise LayoutError(f"shard {i} at global offset {g} of size {sizes} exceeds global_shape {shape}")
+        if any(o + s > n for o, s, n in zip(lo, sizes, local_shape)):
+            raise LayoutError(f"shard {i} at local offset {lo} of size {sizes} exceeds the local tensor's "
+                              f"shape {local_shape}")
+        if all(sizes):
+            pieces.append(ShardPiece(Box(g, sizes), lo))
+    for a, b in itertools.combinations(pieces, 2):
+        if a.global_box.intersect(b.global_box) is not None:
+            raise LayoutError(f"shards {a.global_box} and {b.global_box} of one rank overlap in the global tensor")
+        if a.local_box().intersect(b.local_box()) is not None:
+            raise LayoutError(f"shards {a.global_box} and {b.global_box} overlap in the local tensor "
+                              f"(at local offsets {a.local_offsets} and {b.local_offsets})")
+    return tuple(sorted(pieces, key=lambda p: (p.local_offsets, p.global_box.offsets)))
 
 
 def local_shape(
@@ -90,7 +252,11 @@ def local_shape(
 
 
 def local_shard_pieces(tensor: torch.Tensor, *, key: str | None = None) -> tuple[ShardPiece, ...]:
-    """The pieces this rank holds of ``tensor``: a DTensor's by its layout, a plain tensor's whole."""
+    """The pieces this rank holds of ``tensor``: a DTensor's by its layout, a protocol tensor's by its
+    shards (:func:`checkpointable_pieces`), a plain tensor's whole."""
+    if is_checkpointable(tensor):
+        return checkpointable_pieces(tensor.global_shape, tensor.global_offsets, tensor.local_offsets,
+                                     tensor.local_sizes, tuple(tensor.shape), key=key)
     if not isinstance(tensor, DTensor):
         return shard_pieces(tensor.shape, (), (), (), key=key)
     if tensor.numel() == 0:  # nothing to hold, whatever local shape the sharding gave (FSDP2 pads)

@@ -34,7 +34,7 @@ from hp_dcp_hf.errors import (
     PlanningError,
     UnexpectedKeysError,
 )
-from hp_dcp_hf.layout import ShardPiece, local_shard_pieces, local_tensor
+from hp_dcp_hf.layout import ShardPiece, global_numel, global_shape, local_shard_pieces, local_tensor
 from hp_dcp_hf.mapping.blocks import LocalView, ReadBlock, read_blocks
 from hp_dcp_hf.mapping.compose import Composition, Opaque, TensorSpec
 from hp_dcp_hf.mapping.families import natural_sorted
@@ -423,8 +423,8 @@ class HFMappingPlanner(LoadPlanner):
         for target in fill:
             tensor = state_dict[target]
             traced = composition.traced[target]
-            if tuple(traced.shape) != tuple(tensor.shape):
-                problems.append(f"{target}: model expects {tuple(tensor.shape)}, checkpoint makes "
+            if tuple(traced.shape) != global_shape(tensor):
+                problems.append(f"{target}: model expects {global_shape(tensor)}, checkpoint makes "
                                 f"{tuple(traced.shape)} from {sorted(traced.source_keys())}")
                 continue
             keys = traced.source_keys()
@@ -432,9 +432,9 @@ class HFMappingPlanner(LoadPlanner):
                 if not _castable(dtype, tensor.dtype):
                     key = min(k for k in keys if sources[k].dtype == dtype)
                     problems.append(f"{target}: cannot cast {key} ({dtype}) to {tensor.dtype}")
-            if not isinstance(traced, Opaque) and traced.structure.covered != tensor.numel():
+            if not isinstance(traced, Opaque) and traced.structure.covered != global_numel(tensor):
                 problems.append(f"{target}: the conversion covers {traced.structure.covered} "
-                                f"of {tensor.numel()} elements")
+                                f"of {global_numel(tensor)} elements")
         if problems:
             raise MappingError(f"{len(problems)} model tensors do not match the checkpoint:\n  "
                                + "\n  ".join(problems))
@@ -514,7 +514,7 @@ class HFMappingPlanner(LoadPlanner):
                stats: PlanStats) -> tuple[ShardPiece, ...]:
         """The pieces this rank reads of ``target``: its slice when replicas share the reads."""
         local = local_tensor(tensor)
-        group = replicas.group(tensor)
+        group = replicas.group(tensor, target)
         if len(group) < 2 or not pieces or not local.is_contiguous() or local.numel() < len(group):
             return pieces
         shared = SharedTarget(target, local, group)

@@ -17,7 +17,8 @@ a :class:`MappingError` before any byte is written.
 
 Each byte is written by one rank: a piece held by several ranks (``Replicate`` dims, the parallel
 copies of a submesh, plain tensors in a process group) is written by one of its replicas, the
-``i``-th tensor's by replica ``i mod replicas``, so replicas share the writing.
+``i``-th tensor's by replica ``i mod replicas``, so replicas share the writing. Plain local shards
+(``CheckpointableTensor``) are written shard by shard: a shard several ranks list, by one of them.
 
 ``quantize="fp8"`` writes the block-scaled FP8 checkpoint transformers' FP8 quantizer would
 (:mod:`hp_dcp_hf.quantize`): the tensors it converts are planned in ``float8_e4m3fn``, each with its
@@ -55,8 +56,8 @@ from transformers import PreTrainedModel
 from transformers.core_model_loading import WeightRenaming, WeightTransform, dot_natural_key
 
 from hp_dcp_hf.box import Box
-from hp_dcp_hf.errors import ArgumentError, MappingError, PlanningError
-from hp_dcp_hf.layout import local_shard_pieces, local_tensor
+from hp_dcp_hf.errors import ArgumentError, LayoutError, MappingError, PlanningError
+from hp_dcp_hf.layout import global_shape, is_checkpointable, local_tensor
 from hp_dcp_hf.mapping.blocks import LocalView, read_blocks
 from hp_dcp_hf.mapping.compose import Composition, Opaque, TensorSpec
 from hp_dcp_hf.mapping.stages import (
@@ -341,6 +342,10 @@ class HFSavePlanner(SavePlanner):
         replicas = ReplicaGroups.gather({target: state_dict[target] for target in fill})
         layout = None
         if quantized is not None:
+            plain = next((target for target in fill if is_checkpointable(state_dict[target])), None)
+            if plain is not None:  # which ranks write parts of a scale block is computed from DTensor layouts
+                raise LayoutError("quantize= does not save plain local shards (CheckpointableTensor) yet: save them "
+                                  "unquantized, or as DTensors", key=plain)
             conversion, keys = quantized
             layout = Fp8Layout(conversion.config, {key: specs[key].shape for key in sorted(keys)})
             if should_broadcast():  # the blocks several ranks write parts of: the same on every rank
@@ -348,10 +353,8 @@ class HFSavePlanner(SavePlanner):
                     [(state_dict[target], composition.traced[target]) for target in fill], layout))
         for ordinal, target in enumerate(fill):
             tensor = state_dict[target]
-            if not replicas.writes(tensor, ordinal, target):
-                continue
             local = local_tensor(tensor)
-            for piece in local_shard_pieces(tensor, key=target):
+            for piece in replicas.written_pieces(tensor, ordinal, target):
                 for block in read_blocks(composition.traced[target], piece.global_box, piece.local_offsets):
                     fp8 = layout is not None and block.key in layout.shapes
                     items.append(_write_item(block.key, block.source_box, FP8 if fp8 else specs[block.key].dtype,
@@ -396,8 +399,8 @@ class HFSavePlanner(SavePlanner):
             elif isinstance(traced, Opaque):
                 problems.append((target, f"made by a conversion that cannot be traced, so it cannot be inverted "
                                          f"exactly (from {sorted(traced.sources)})"))
-            elif tuple(traced.shape) != tuple(state_dict[target].shape):
-                problems.append((target, f"the model holds {tuple(state_dict[target].shape)}, the checkpoint "
+            elif tuple(traced.shape) != global_shape(state_dict[target]):
+                problems.append((target, f"the model holds {global_shape(state_dict[target])}, the checkpoint "
                                          f"makes {tuple(traced.shape)}"))
             else:
                 for piece in traced.pieces:

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from hp_dcp_hf.errors import PlanningError
-from hp_dcp_hf.layout import local_tensor
+from hp_dcp_hf.layout import held_views, local_tensor
 from hp_dcp_hf.mapping.families import natural_sorted
 
 
@@ -68,7 +68,8 @@ class WriteCheck:
     """Debug mode of a load: every floating parameter and persistent buffer filled with NaN before,
     and after it each one must hold no NaN unless the report lists it missing (or another reader
     fills it). What the load did not write (missing keys) gets its value back, and on a failure
-    every tensor does."""
+    every tensor does. Only elements that hold values are checked: a plain local shard's padding
+    (``CheckpointableTensor``) is no load's to write."""
 
     def __init__(self, model: nn.Module) -> None:
         self._tensors = [(t, names, local_tensor(t).detach().clone()) for t, names, persistent in _own_tensors(model)
@@ -81,7 +82,7 @@ class WriteCheck:
         """Raise :class:`PlanningError` naming the tensors the load left at the sentinel."""
         skipped = set(missing)
         unwritten = [names[0] for tensor, names, _ in self._tensors
-                     if not skipped.intersection(names) and bool(torch.isnan(local_tensor(tensor)).any())]
+                     if not skipped.intersection(names) and any(bool(torch.isnan(v).any()) for v in held_views(tensor))]
         if unwritten:
             raise PlanningError(f"the load reported success but left {len(unwritten)} model tensors unwritten: "
                                 f"{list(natural_sorted(unwritten))[:5]}")
@@ -91,6 +92,5 @@ class WriteCheck:
     def restore(self, *, everything: bool = True) -> None:
         """Put back the values from before the load: of every tensor, or of those still all NaN."""
         for tensor, _, original in self._tensors:
-            local = local_tensor(tensor)
-            if everything or bool(torch.isnan(local).all()):
-                local.copy_(original)
+            if everything or all(bool(torch.isnan(v).all()) for v in held_views(tensor)):
+                local_tensor(tensor).copy_(original)

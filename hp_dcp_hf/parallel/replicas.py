@@ -11,6 +11,12 @@ Replicas also hold the same part of the model: pipeline stages lay their layers 
 the same kind (each stage's ``dp`` submesh), yet rank 0 of one stage holds none of another stage's
 tensors. Ranks tell each other a digest of the names they hold (:func:`model_part`), and only ranks
 of one part are replicas of each other.
+
+Plain local shards (torch's ``CheckpointableTensor`` protocol, :mod:`hp_dcp_hf.layout`) carry no
+mesh: ranks tell each other their shards' geometry instead (each distinct geometry once, then one
+small index per tensor, in name order). A rank whose geometry of a tensor equals this one's is a
+replica of all of it (a cooperative load splits its reads); a shard whose global box several ranks
+list is written by one of them, whatever else each holds.
 """
 
 from __future__ import annotations
@@ -18,15 +24,41 @@ from __future__ import annotations
 import hashlib
 import itertools
 from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from hp_dcp_hf.box import Box
 from hp_dcp_hf.errors import LayoutError
+from hp_dcp_hf.layout import ShardPiece, is_checkpointable, local_shard_pieces
 
 MeshKind = tuple[tuple[str, ...] | None, tuple[int, ...]]
+# A protocol tensor's geometry on one rank: (local shape, ((global box, local offsets) per piece)).
+Geometry = tuple[tuple[int, ...], tuple[tuple[Box, tuple[int, ...]], ...]]
+
+
+@dataclass(frozen=True)
+class ShardGeometry:
+    """What a rank tells the others about its protocol tensors: ``names`` (a digest of their sorted
+    names), each distinct geometry once, and per name (in sorted order) the index of its geometry."""
+
+    names: str
+    geometries: tuple[Geometry, ...]
+    index: tuple[int, ...]
+
+    @classmethod
+    def of(cls, tensors: Mapping[str, torch.Tensor]) -> ShardGeometry:
+        names = sorted(name for name, tensor in tensors.items() if is_checkpointable(tensor))
+        distinct: dict[Geometry, int] = {}
+        index = tuple(distinct.setdefault(_geometry(tensors[name], name), len(distinct)) for name in names)
+        return cls(model_part(names), tuple(distinct), index)
+
+
+def _geometry(tensor: torch.Tensor, key: str) -> Geometry:
+    return tuple(tensor.shape), tuple((p.global_box, p.local_offsets) for p in local_shard_pieces(tensor, key=key))
 
 
 def _mesh_kind(tensor: DTensor) -> MeshKind:
@@ -55,10 +87,17 @@ class ReplicaGroups:
     for all); this rank is ``rank``. :meth:`gather` builds it."""
 
     def __init__(self, rank: int, world: int, every: Sequence[Mapping[MeshKind, tuple[int, ...] | None]],
-                 parts: Sequence[str] | None = None) -> None:
+                 parts: Sequence[str] | None = None, shards: Sequence[ShardGeometry | None] | None = None) -> None:
         self.rank, self.world = rank, world
         parts = parts if parts is not None else [""] * world
         self.same_part = tuple(r for r in range(world) if parts[r] == parts[rank])
+        # Protocol tensors: the ranks of this part that hold the same ones, with their geometries.
+        # Without this rank's geometry (built by hand), each of its shards is its own alone.
+        mine = shards[rank] if shards is not None else None
+        self._shards: dict[int, ShardGeometry] = {}
+        self._positions: dict[str, int] = {}
+        if mine is not None and shards is not None:
+            self._shards = {r: g for r in self.same_part if (g := shards[r]) is not None and g.names == mine.names}
         # kind -> coordinate -> the ranks of this rank's part holding it, in rank order
         self.holders: dict[MeshKind, dict[tuple[int, ...], list[int]]] = {}
         for other in self.same_part:
@@ -70,16 +109,42 @@ class ReplicaGroups:
     def gather(cls, tensors: Mapping[str, torch.Tensor]) -> ReplicaGroups:
         """Every rank's coordinates and part (``tensors``: the ones it holds, by name), collectively
         (one ``all_gather_object``; none outside a process group)."""
-        mine = (mesh_coordinates(list(tensors.values())), model_part(tensors))
+        mine = (mesh_coordinates(list(tensors.values())), model_part(tensors), ShardGeometry.of(tensors))
+        names = sorted(name for name, tensor in tensors.items() if is_checkpointable(tensor))
         if not (dist.is_available() and dist.is_initialized()):
-            return cls(0, 1, [mine[0]])
-        every: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(every, mine)
-        return cls(dist.get_rank(), dist.get_world_size(), [e[0] for e in every], [e[1] for e in every])
+            groups = cls(0, 1, [mine[0]], shards=[mine[2]])
+        else:
+            every: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(every, mine)
+            groups = cls(dist.get_rank(), dist.get_world_size(), [e[0] for e in every], [e[1] for e in every],
+                         [e[2] for e in every])
+        groups.name_positions(names)
+        return groups
 
-    def group(self, tensor: torch.Tensor) -> tuple[int, ...]:
+    def name_positions(self, names: Sequence[str]) -> None:
+        """The protocol tensors' names, sorted as :class:`ShardGeometry` lists them (the ranks'
+        geometries are told by position)."""
+        self._positions = {name: i for i, name in enumerate(names)}
+
+    def _geometries(self, key: str | None) -> dict[int, Geometry]:
+        """Each rank's geometry of protocol tensor ``key`` (of the ranks holding the same ones)."""
+        position = self._positions.get(key) if key is not None else None
+        if position is None or self.rank not in self._shards:
+            return {}
+        return {r: g.geometries[g.index[position]] for r, g in self._shards.items()}
+
+    def group(self, tensor: torch.Tensor, key: str | None = None) -> tuple[int, ...]:
         """The ranks holding this rank's local values of ``tensor``, this one included, in rank
-        order; empty when this rank holds none of it."""
+        order; empty when this rank holds none of it. A protocol tensor's (named ``key``) are the
+        ranks whose geometry of it is this one's, local layout and padding alike."""
+        if is_checkpointable(tensor):
+            geometries = self._geometries(key)
+            if not geometries:
+                return (self.rank,) if local_shard_pieces(tensor, key=key) else ()
+            mine = geometries[self.rank]
+            if not mine[1]:
+                return ()
+            return tuple(r for r in sorted(geometries) if geometries[r] == mine)
         if not isinstance(tensor, DTensor):
             return self.same_part
         mesh, coordinate = tensor.device_mesh, tensor.device_mesh.get_coordinate()
@@ -102,5 +167,25 @@ class ReplicaGroups:
         replica of each, replicas taking turns."""
         if isinstance(tensor, DTensor) and any(p.is_partial() for p in tensor.placements):
             raise LayoutError(f"Partial placements {tensor.placements} hold no savable value", key=key)
-        group = self.group(tensor)
+        group = self.group(tensor, key)
         return bool(group) and group.index(self.rank) == ordinal % len(group)
+
+    def written_pieces(self, tensor: torch.Tensor, ordinal: int, key: str) -> tuple[ShardPiece, ...]:
+        """The pieces of ``tensor`` (the ``ordinal``-th tensor saved) this rank writes. A DTensor's
+        or plain tensor's: all of them on one replica (:meth:`writes`). A protocol tensor's: each
+        shard by one of the ranks listing its global box, the ranks taking turns by shard and
+        tensor; an element two ranks hold in shards of different boxes is written by both, and the
+        save's coordinator refuses that (every element exactly once)."""
+        pieces = local_shard_pieces(tensor, key=key)
+        if not is_checkpointable(tensor):
+            return pieces if self.writes(tensor, ordinal, key) else ()
+        holders: dict[Box, list[int]] = {}
+        for r, (_, shards) in sorted(self._geometries(key).items()):
+            for box, _ in shards:
+                holders.setdefault(box, []).append(r)
+        mine = []
+        for piece in pieces:
+            ranks = holders.get(piece.global_box, [self.rank])
+            if ranks[(ordinal + sum(piece.global_box.offsets)) % len(ranks)] == self.rank:
+                mine.append(piece)
+        return tuple(mine)
