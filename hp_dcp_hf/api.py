@@ -29,7 +29,7 @@ from hp_dcp_hf.save_planner import HFSavePlanner
 from hp_dcp_hf.storage import HFStorageReader
 from hp_dcp_hf.storage.broadcast import agree_on_failure, should_broadcast
 from hp_dcp_hf.storage.writer import HFStorageWriter
-from hp_dcp_hf.written import WriteCheck, finish_through_load_state_dict, hook_made_entries
+from hp_dcp_hf.written import WriteCheck, finish_through_load_state_dict, hook_made_entries, own_state_dict
 
 Loader = Literal["dcp", "legacy"]
 
@@ -75,6 +75,7 @@ def load_hf_checkpoint(
     reader: HFStorageReader | None = None,
     planner: HFMappingPlanner | None = None,
     check_written: bool = False,
+    state_dict: dict[str, Any] | None = None,
     **reader_options: Any,
 ) -> LoadReport:
     """Load the Hugging Face checkpoint at ``path`` into ``model`` in place; every rank calls it.
@@ -103,6 +104,8 @@ def load_hf_checkpoint(
 
     ``reader`` and ``planner`` may be built by the caller, to read their statistics afterwards;
     a given planner brings its own mapping options and ``loader`` choice (its ``trace``).
+    ``state_dict``: the tensors to load into, in place (default ``model.state_dict()``), e.g. the
+    model's own parameters where its ``state_dict()`` gathers (:func:`hp_dcp_hf.written.own_state_dict`).
     """
     if loader not in ("dcp", "legacy"):
         raise ArgumentError(f"loader must be 'dcp' or 'legacy', got {loader!r}")
@@ -118,7 +121,11 @@ def load_hf_checkpoint(
     )
     reader = reader if reader is not None else HFStorageReader(path, **reader_options)
     error: BaseException | None = None
-    state_dict = model.state_dict()
+    left_out: set[str] = set()  # the model's own tensors a given state dict does not ask for
+    if state_dict is None:
+        state_dict = model.state_dict()
+    else:
+        left_out = set(own_state_dict(model)) - set(state_dict)
     copies = hook_made_entries(model, state_dict, planner.external_target_fqns)
     check = WriteCheck(model) if check_written else None
     try:
@@ -131,7 +138,7 @@ def load_hf_checkpoint(
             finish_through_load_state_dict(model, state_dict, copies)
         if check is not None:
             assert planner.report is not None
-            check.check({*planner.report.missing_keys, *planner.external_target_fqns})
+            check.check({*planner.report.missing_keys, *planner.external_target_fqns, *left_out})
     except CheckpointException as exc:
         # torch's dcp.load reduces an error of read_metadata to an AssertionError with its text:
         # the reader kept the error itself.
@@ -197,6 +204,8 @@ def save_hf_checkpoint(
     weights_mapping: Sequence[WeightTransform] | None = None,
     quantize: Quantize | None = None,
     pipeline_stage: bool = False,
+    hf_config: Any = None,
+    state_dict: dict[str, Any] | None = None,
     writer: HFStorageWriter | None = None,
     planner: HFSavePlanner | None = None,
     **storage_options: Any,
@@ -226,16 +235,23 @@ def save_hf_checkpoint(
     ``pipeline_stage=True``: every rank's ``model`` is one pipeline stage (its layers, under their
     names in the whole model); the stages together write one checkpoint, published once, each its
     own tensors, and the coordinator checks that every checkpoint element is written exactly once.
+
+    ``hf_config`` (a transformers config) saves a model that is not a transformers model as the
+    checkpoint of transformers' model of that config: its files, keys and ``config.json``, the values
+    from ``model`` through ``weights_mapping`` (checkpoint -> model), as
+    :mod:`hp_dcp_hf.integrations.torchtitan` does. ``state_dict``: the tensors to save (default
+    ``model.state_dict()``).
     """
-    if planner is not None and (quantize is not None or pipeline_stage):
-        raise ArgumentError("quantize= and pipeline_stage= go to the planner given (HFSavePlanner(model, ...))")
+    if planner is not None and (quantize is not None or pipeline_stage or hf_config is not None):
+        raise ArgumentError("quantize=, pipeline_stage= and hf_config= go to the planner given "
+                            "(HFSavePlanner(model, ...))")
     planner = planner or HFSavePlanner(model, weights_mapping=weights_mapping, quantize=quantize,
-                                       pipeline_stage=pipeline_stage)
+                                       pipeline_stage=pipeline_stage, hf_config=hf_config)
     writer = writer if writer is not None else HFStorageWriter(
         path, max_shard_size=max_shard_size, dtype=dtype, **storage_options)
     try:
         with _quiet_dcp():
-            dcp.save(model.state_dict(), storage_writer=writer, planner=planner, no_dist=not should_broadcast())
+            dcp.save(model.state_dict() if state_dict is None else state_dict, storage_writer=writer, planner=planner, no_dist=not should_broadcast())
     except BaseException as exc:  # noqa: BLE001 - whatever failed, the outcome is what the path holds
         writer.abort()
         error = unwrap_checkpoint_exception(exc) if isinstance(exc, CheckpointException) else exc

@@ -117,7 +117,8 @@ class SaveRequest:
 
 
 def saved_tensors(
-    model: nn.Module, weights_mapping: Sequence[WeightTransform] | None = None, quantize: Any = None
+    model: nn.Module, weights_mapping: Sequence[WeightTransform] | None = None, quantize: Any = None,
+    hf_config: Any = None,
 ) -> tuple[dict[str, TensorSpec], dict[str, tuple[int, int]], nn.Module, tuple[Fp8Conversion, frozenset[str]] | None]:
     """The checkpoint tensors that ``weights_mapping`` (checkpoint -> canonical) loads into
     ``model``, which of them are views of one storage (key -> (storage group, its elements):
@@ -135,17 +136,26 @@ def saved_tensors(
     The quantized checkpoint keys are found by marking the canonical tensors the quantizer
     converts as FP8 before the reversal: the checkpoint tensors made of them come out in FP8 (the
     specs keep the model's dtype; the planner traces values).
+
+    ``hf_config`` gives a module that is not a transformers model the checkpoint of transformers'
+    model for that config, as ``save_pretrained`` writes it; ``weights_mapping`` then says how the
+    module's tensors are made of it (it is traced, not reversed).
     """
     from transformers.core_model_loading import revert_weight_conversion
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
-    config = getattr(model, "config", None)
+    config, cls = getattr(model, "config", None), original_class(model)
+    if not isinstance(model, PreTrainedModel) and hf_config is not None:
+        from hp_dcp_hf.pipeline import resolve_model_class
+
+        config, cls = hf_config, resolve_model_class(hf_config)
+        weights_mapping = None  # the checkpoint is transformers' for the class: reverse its own mapping
     dtype = next((p.dtype for p in model.parameters() if p.dtype.is_floating_point), torch.float32)
     conversion = None
-    if isinstance(model, PreTrainedModel) and config is not None:
+    if issubclass(cls, PreTrainedModel) and config is not None:
         def build() -> PreTrainedModel:
             with torch.device("meta"):
-                return original_class(model)._from_config(config, dtype=dtype)
+                return cls._from_config(config, dtype=dtype)
 
         skeleton = build()
         skeleton.tie_weights()
@@ -250,6 +260,9 @@ class HFSavePlanner(SavePlanner):
             ``weight_block_size``, ``modules_to_not_convert``) to write the block-scaled FP8
             checkpoint transformers' FP8 quantizer makes of a transformers model. A model that is
             quantized already, or is not a transformers model, is an :class:`ArgumentError`.
+        hf_config: a transformers config: save a module that is not a transformers model as the
+            checkpoint of transformers' model for it (files, keys, ``config.json``), its tensors made
+            of that checkpoint by ``weights_mapping`` (torchtitan's models, :mod:`hp_dcp_hf.integrations`).
         pipeline_stage: this rank's model is one pipeline stage: checkpoint tensors it holds
             nothing of are other stages' to write. Either way the coordinator checks, over every
             rank's plan, that each checkpoint element is written exactly once.
@@ -260,9 +273,13 @@ class HFSavePlanner(SavePlanner):
     """
 
     def __init__(self, model: nn.Module, *, weights_mapping: Sequence[WeightTransform] | None = None,
-                 quantize: Quantize | None = None, pipeline_stage: bool = False) -> None:
+                 quantize: Quantize | None = None, pipeline_stage: bool = False, hf_config: Any = None) -> None:
         self.model = model
         self.weights_mapping = weights_mapping
+        self.hf_config = hf_config
+        if hf_config is not None and (isinstance(model, PreTrainedModel) or weights_mapping is None):
+            raise ArgumentError("hf_config= is for a module that is not a transformers model, with the "
+                                "weights_mapping= that makes its tensors from that config's checkpoint")
         self.pipeline_stage = pipeline_stage
         self._shapes: dict[str, tuple[int, ...]] = {}  # every checkpoint tensor the save writes, by key
         self.quantize = None if quantize is None else fp8_config(quantize)
@@ -322,7 +339,7 @@ class HFSavePlanner(SavePlanner):
     def plan_writes(self, state_dict: Mapping[str, Any]) -> tuple[list[WriteItem], SaveRequest]:
         """Validate everything and return this rank's WriteItems and what its writer needs."""
         mapping = self.weights_mapping if self.weights_mapping is not None else recorded_checkpoint_mapping(self.model)
-        specs, storage, skeleton, quantized = saved_tensors(self.model, mapping, self.quantize)
+        specs, storage, skeleton, quantized = saved_tensors(self.model, mapping, self.quantize, self.hf_config)
         composition = Composition(
             model_stages(self.model, mapping),
             specs,
@@ -375,9 +392,10 @@ class HFSavePlanner(SavePlanner):
         request = SaveRequest(
             layout.ordered(tensors) if layout is not None else tensors,
             scale_storage(layout, storage) if layout is not None else storage,
-            _configs(self.model) if self.is_coordinator and isinstance(skeleton, PreTrainedModel) else {},
+            _configs(self.model if isinstance(self.model, PreTrainedModel) else skeleton)
+            if self.is_coordinator and isinstance(skeleton, PreTrainedModel) else {},
             next((p.dtype for p in self.model.parameters() if p.dtype.is_floating_point), torch.float32),
-            (original_class(self.model).__name__,),
+            (original_class(skeleton if isinstance(skeleton, PreTrainedModel) else self.model).__name__,),
             metadata,
             layout,
         )

@@ -64,6 +64,12 @@ def _own_tensors(model: nn.Module) -> Iterator[tuple[torch.Tensor, list[str], bo
     yield from seen.values()
 
 
+def own_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's own parameters and persistent buffers by name, one name per tied group: a state
+    dict of no hook's making, that DCP loads into and saves from in place."""
+    return {names[0]: tensor for tensor, names, persistent in _own_tensors(model) if persistent}
+
+
 class WriteCheck:
     """Debug mode of a load: every floating parameter and persistent buffer filled with NaN before,
     and after it each one must hold no NaN unless the report lists it missing (or another reader

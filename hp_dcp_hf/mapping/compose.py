@@ -38,6 +38,7 @@ from hp_dcp_hf.mapping.families import (
     renamer_chain,
     split_kinds,
 )
+from hp_dcp_hf.mapping.ops import PermuteHeadsForRope
 from hp_dcp_hf.mapping.structure import Bound, Structure
 from hp_dcp_hf.mapping.symbolic import RegionTensor, UntraceableOp
 from hp_dcp_hf.perf import paused_gc
@@ -73,7 +74,7 @@ def require_model_facts(transform: WeightTransform, config: Any) -> None:
     """Refuse an op that would read a model fact the config lacks: transformers' ``PermuteForRope``
     takes ``num_attention_heads`` from the config and silently permutes as one head without it."""
     for op in getattr(transform, "operations", None) or ():
-        if isinstance(op, PermuteForRope):
+        if isinstance(op, PermuteForRope) and not isinstance(op, PermuteHeadsForRope):
             facts = getattr(config, op.subconfig_key, config) if op.subconfig_key else config
             heads = getattr(facts, "num_attention_heads", None)
             if not isinstance(heads, int) or heads < 1:

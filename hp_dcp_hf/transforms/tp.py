@@ -50,6 +50,7 @@ from transformers.distributed.tensor_parallel import (
 )
 
 from hp_dcp_hf.errors import MappingError
+from hp_dcp_hf.mapping.ops import concatenate_in_groups
 from hp_dcp_hf.transforms._fusion import FusedSlice
 
 __all__ = [
@@ -152,10 +153,7 @@ def fused_without_tp_layout(model: nn.Module) -> list[tuple[str, str]]:
 def rank_major(tensor: torch.Tensor, rows: Sequence[int], groups: int, dim: int = 0) -> torch.Tensor:
     """``[p0 | p1 | ...]`` (parts of ``rows`` along ``dim``) -> ``[p0_0 | p1_0 | ... | p0_1 | p1_1 | ...]``,
     each part cut into ``groups`` equal chunks."""
-    if groups == 1:
-        return tensor
-    pieces = [part.chunk(groups, dim) for part in tensor.split(list(rows), dim)]
-    return torch.cat([chunks[rank] for rank in range(groups) for chunks in pieces], dim)
+    return tensor if groups == 1 else concatenate_in_groups(tensor.split(list(rows), dim), groups, dim)
 
 
 class ConcatenateByRank(ConversionOps):
@@ -190,12 +188,7 @@ class ConcatenateByRank(ConversionOps):
         layout = self.layouts.get(full_layer_name) if full_layer_name is not None else None
         if layout is None:
             raise MappingError(f"no fused layout recorded for {full_layer_name!r} (known: {sorted(self.layouts)[:4]} ...)")
-        groups = layout.tp
-        if groups == 1:
-            return {target_patterns[0]: torch.cat(tensors, dim=self.dim)}
-        pieces = [t.chunk(groups, self.dim) for t in tensors]
-        return {target_patterns[0]: torch.cat([chunks[rank] for rank in range(groups) for chunks in pieces],
-                                              dim=self.dim)}
+        return {target_patterns[0]: concatenate_in_groups(tensors, layout.tp, self.dim)}
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(dim={self.dim})"
