@@ -108,3 +108,22 @@ def test_errors_name_what_is_wrong(tmp_path):
         tt.save_hf_checkpoint(model, tmp_path / "out")
     with pytest.raises(ArgumentError, match="supplies weights_mapping"):
         tt.load_hf_checkpoint(model, str(tmp_path), weights_mapping=[])
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "gpt_oss"])
+def test_quantized_checkpoints_load_as_their_values(family, tmp_path):
+    """DeepSeek-V3's FP8 (block-scaled ``weight_scale_inv``) and GPT-OSS's MXFP4 experts dequantize on
+    load as for transformers models: the same values as the dequantized twin, which torchtitan's own
+    ``from_hf`` loads (DeepSeek-V3; its GPT-OSS adapter loads no experts, see above)."""
+    from hp_dcp_hf.integrations import torchtitan as tt
+    from hp_dcp_hf.written import own_state_dict
+
+    quantized, twin = titan.quantize_checkpoint(family, titan.make_checkpoint(family, tmp_path / "hf"), tmp_path)
+    ours, values = titan.build(family, device="cpu"), titan.build(family, device="cpu")
+    tt.load_hf_checkpoint(ours, str(quantized), unexpected="raise", check_written=True)
+    tt.load_hf_checkpoint(values, str(twin))
+    expected = titan.reference(family, twin) if family == "deepseek_v3" else own_state_dict(values)
+    for key, value in own_state_dict(ours).items():
+        assert torch.equal(value, own_state_dict(values)[key]), key
+        if key in tt.model_tensors(ours):
+            assert torch.equal(value, expected[key]), key

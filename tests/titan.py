@@ -210,3 +210,47 @@ def parallelize_fn(family: str):
         return parallelize_deepseekv3
     from torchtitan.models.gpt_oss.parallelize import parallelize_gptoss
     return parallelize_gptoss
+
+
+def quantize_checkpoint(family: str, path: Path, out: Path) -> tuple[Path, Path]:
+    """``path``'s checkpoint as the Hub ships ``family``: DeepSeek-V3's projections FP8 block-quantized
+    (16 x 16 blocks, ``weight_scale_inv``), GPT-OSS's experts MXFP4 (``_blocks`` / ``_scales``); and its
+    twin holding the dequantized values, made by the tests' reference quantizers."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from tests.quantized import dequantize_reference, is_projection, quantize_fp8, quantize_mxfp4
+
+    quantized, twin = out / "quantized", out / "twin"
+    for target in (quantized, twin):
+        shutil.copytree(path, target)
+    index_path = quantized / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    for file in sorted(set(index["weight_map"].values())):
+        stored, dequantized = {}, {}
+        for key, value in load_file(path / file).items():
+            stored[key] = dequantized[key] = value
+            if family.startswith("deepseek_v3") and is_projection(key, value):
+                q, scale = quantize_fp8(value, (16, 16))
+                stored[key], stored[f"{key}_scale_inv"] = q, scale
+                dequantized[key] = dequantize_reference(q, scale, (16, 16), dtype=value.dtype)
+            elif family == "gpt_oss" and key.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+                blocks, scales = quantize_mxfp4(value.transpose(1, 2))  # MXFP4 groups run along the inputs
+                del stored[key]
+                stored[f"{key}_blocks"], stored[f"{key}_scales"] = blocks, scales
+                dequantized[key] = convert_moe_packed_tensors(blocks, scales, dtype=value.dtype)
+        index["weight_map"] = {k: v for k, v in index["weight_map"].items() if k not in dequantized or k in stored}
+        index["weight_map"].update(dict.fromkeys(stored, file))
+        save_file(stored, quantized / file, metadata={"format": "pt"})
+        save_file(dequantized, twin / file, metadata={"format": "pt"})
+    index_path.write_text(json.dumps(index, indent=2))
+    config = json.loads((quantized / "config.json").read_text())
+    config["quantization_config"] = ({"quant_method": "mxfp4"} if family == "gpt_oss" else
+                                     {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                      "weight_block_size": [16, 16]})
+    (quantized / "config.json").write_text(json.dumps(config, indent=2))
+    return quantized, twin
