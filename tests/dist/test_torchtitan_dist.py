@@ -15,11 +15,13 @@ from tests.test_save import assert_same_checkpoint
 
 L = titan.Layout
 CASES = {  # world: (family, layout) pairs, each run once in one launch of that world
-    4: [("llama3", L("fsdp2xtp2", dp_shard=2, tp=2)), ("qwen3", L("fsdp4", dp_shard=4)),
-        ("qwen3_moe", L("fsdp2xtp2+ep2", dp_shard=2, tp=2, ep=2)), ("deepseek_v3", L("fsdp4+ep4", dp_shard=4, ep=4)),
+    4: [("llama3", L("fsdp2xtp2", dp_shard=2, tp=2)), ("llama3", L("hsdp2x2", dp_replicate=2, dp_shard=2)),
+        ("qwen3", L("fsdp4", dp_shard=4)), ("qwen3_moe", L("fsdp2xtp2+ep2", dp_shard=2, tp=2, ep=2)),
+        ("deepseek_v3", L("fsdp4+ep4", dp_shard=4, ep=4)), ("deepseek_v3_q_lora", L("fsdp2xtp2", dp_shard=2, tp=2)),
         ("gpt_oss", L("tp2xfsdp2", dp_shard=2, tp=2))],
     2: [("llama3", L("tp2", tp=2)), ("qwen3_moe", L("ep2", dp_shard=2, ep=2)),
-        ("deepseek_v3_q_lora", L("tp2", tp=2))],
+        ("deepseek_v3_q_lora", L("tp2", tp=2)), ("gpt_oss", L("fsdp2", dp_shard=2))],
+    1: [("qwen3_moe", L("one")), ("llama3", L("one"))],
 }
 
 
@@ -37,12 +39,16 @@ def _run(rank: int, world: int, checkpoints: dict[str, str], out: str) -> list[d
         report = tt.load_hf_checkpoint(model, path, reader=reader, unexpected="raise")
         tensors = tt.model_tensors(model)
         full = {k: (v.full_tensor() if isinstance(v, DTensor) else v).clone() for k, v in tensors.items()}
-        local = sum((v.to_local() if isinstance(v, DTensor) else v).numel() * 4 for v in tensors.values())
+        local = sum(titan.local(v).numel() * 4 for v in tensors.values())
         target = f"{out}/{family}-{layout.name}"
         tt.save_hf_checkpoint(model, target, max_shard_size="200KB")
         stats = reader.stats.total()
+        again = titan.parallelized(family, layout)  # load -> save -> load
+        tt.load_hf_checkpoint(again, target)
+        reloaded = all(torch.equal(titan.local(v), titan.local(tensors[k])) for k, v in tt.model_tensors(again).items())
         results.append({"case": (family, layout.name), "state": full, "loaded": sorted(report.loaded_keys),
-                        "read": stats.bytes_read, "needed": stats.bytes_needed, "local": local, "saved": target})
+                        "read": stats.bytes_read, "needed": stats.bytes_needed, "local": local, "saved": target,
+                        "reloaded": reloaded})
     return results
 
 
@@ -82,9 +88,10 @@ def test_every_tensor_equals_torchtitans_from_hf_and_each_rank_reads_its_shards(
             assert max(r[case_index]["read"] for r in results) < total / 2 + 1, (family, layout.name)
 
 
-def test_each_layout_saves_what_save_pretrained_wrote(world, checkpoints):
+def test_each_layout_saves_what_save_pretrained_wrote_and_loads_it_back(world, checkpoints):
     from pathlib import Path
 
     size, results = world
-    for case_index, (family, _) in enumerate(CASES[size]):
+    for case_index, (family, layout) in enumerate(CASES[size]):
         assert_same_checkpoint(Path(results[0][case_index]["saved"]), Path(checkpoints[family]))
+        assert all(r[case_index]["reloaded"] for r in results), (family, layout.name)
