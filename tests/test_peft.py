@@ -55,19 +55,19 @@ RANK = 6  # rows of lora_A: 6 over 4 ranks is uneven (2, 2, 1, 1)
 _SET_FIELDS = ("target_modules", "target_parameters", "exclude_modules", "modules_to_save")
 
 
-def make_adapter(family: str, root: Path, *, seed: int = 1) -> tuple[Path, Path]:
+def make_adapter(family: str, root: Path, *, seed: int = 1, **config_overrides) -> tuple[Path, Path]:
     """A tiny float32 base checkpoint of ``family`` and a LoRA adapter of it with random values
     (``init_lora_weights=False``: lora_B is not zero), both written by their libraries'
     ``save_pretrained``."""
     from peft import LoraConfig, get_peft_model
 
-    base = make_checkpoint(family, root / f"{family}-base", dtype=torch.float32)
+    base = make_checkpoint(family, root / f"{family}-base", dtype=torch.float32, **config_overrides)
     torch.manual_seed(seed)
     config = LoraConfig(r=RANK, lora_alpha=12, init_lora_weights=False, base_model_name_or_path=str(base),
                         **TARGETS[family])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = get_peft_model(build_model(family, dtype=torch.float32), config)
+        model = get_peft_model(build_model(family, dtype=torch.float32, **config_overrides), config)
         model.save_pretrained(root / f"{family}-adapter")
     return base, root / f"{family}-adapter"
 
@@ -286,3 +286,47 @@ def test_an_adapter_for_another_base_is_refused(adapter, tmp_path):
         other.save_pretrained(other_root)
     error = _refused(wrapped(family, base, path), other_root, MappingError)
     assert error.file.endswith(ADAPTER_WEIGHTS) and error.key is not None and "shape" in error.reason
+
+
+def test_embedding_layers_peft_saves_load_and_save_with_the_adapter(adapter, tmp_path):
+    """``save_embedding_layers=True`` puts the base's embeddings in the adapter file: they load when
+    the file has them (and are not asked for when it has not), and save as peft saves them."""
+    family, base, path, reference, _ = adapter
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        reference.save_pretrained(tmp_path / "peft", save_embedding_layers=True)
+    stored = load_file(tmp_path / "peft" / ADAPTER_WEIGHTS)
+    assert "base_model.model.model.embed_tokens.weight" in stored
+    model = wrapped(family, base, path)
+    with torch.no_grad():
+        model.get_input_embeddings().weight.zero_()
+    load_peft_adapter(model, tmp_path / "peft")
+    assert torch.equal(model.get_input_embeddings().weight, reference.get_input_embeddings().weight)
+    save_peft_adapter(reference, tmp_path / "ours", save_embedding_layers=True)
+    assert_same_adapter(tmp_path / "ours", tmp_path / "peft")
+
+
+def test_a_failed_save_leaves_the_older_adapter_as_it_was(adapter, tmp_path):
+    """A save that fails once its files are staged (here: no data for a box) publishes nothing:
+    the older adapter stays as it was, config included, and nothing staged is left."""
+    from hp_dcp_hf import HFSavePlanner
+    from hp_dcp_hf.integrations.peft import AdapterTensors
+
+    family, base, path, reference, reference_dir = adapter
+    out = tmp_path / "out"
+    save_peft_adapter(reference, out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    model = wrapped(family, base, path)  # other LoRA values, and another config text
+    model.peft_config["default"].lora_alpha = 99
+
+    class Failing(HFSavePlanner):
+        def resolve_data(self, write_item):
+            raise MappingError("injected: no data for this box", key=write_item.index.fqn)
+
+    with pytest.raises(MappingError, match="injected"):
+        save_peft_adapter(model, out, planner=Failing(AdapterTensors(model, adapter_keys(model)), weights_mapping=[]))
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # nothing staged left, nothing replaced
+    save_peft_adapter(model, out)  # and the next save goes through, both files replaced
+    assert json.loads((out / ADAPTER_CONFIG).read_text())["lora_alpha"] == 99
+    ours, theirs = load_file(out / ADAPTER_WEIGHTS), load_file(reference_dir / ADAPTER_WEIGHTS)
+    assert any(not torch.equal(ours[k], theirs[k]) for k in theirs)

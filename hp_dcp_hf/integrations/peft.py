@@ -203,9 +203,13 @@ class AdapterTensors(nn.Module):
         return {file_key: full[model_key] for file_key, model_key in self.names.items()}
 
     def _own(self, tensors: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        by_key = dict(tensors)
+        # Each tensor under its first name only: peft writes tied tensors (a tied lm_head saved with
+        # the embeddings) under every name, so here they are not aliases of one another, and each
+        # name is a tensor of the file of its own.
+        by_key, seen = dict(tensors), set()
         for file_key, model_key in self.names.items():
-            if model_key in by_key:
+            if model_key in by_key and id(by_key[model_key]) not in seen:
+                seen.add(id(by_key[model_key]))
                 yield file_key, by_key[model_key]
 
     def named_parameters(self, prefix: str = "", recurse: bool = True,  # type: ignore[override]
@@ -307,13 +311,16 @@ class _AdapterLoadPlanner(HFMappingPlanner):
     """The planner of an adapter load: before anything else, the file's tensors must be exactly the
     model's adapter tensors, in its shapes (each error names the file and its first key)."""
 
-    def __init__(self, view: AdapterTensors, file: str, **kwargs: Any) -> None:
+    def __init__(self, view: AdapterTensors, file: str, optional: frozenset[str] = frozenset(), **kwargs: Any) -> None:
         super().__init__(view, weights_mapping=[], strict=True, unexpected="raise", **kwargs)
         self.file = file
+        self.optional = optional  # saved by peft only sometimes (embedding layers): loaded when the file has them
 
     def plan_reads(self, state_dict: Mapping[str, Any], metadata: Metadata) -> list[ReadItem]:
         stored = {key: md for key, md in metadata.state_dict_metadata.items()
                   if isinstance(md, TensorStorageMetadata)}
+        self.external_target_fqns = frozenset(key for key in self.optional if key not in stored)
+        state_dict = {key: value for key, value in state_dict.items() if key not in self.external_target_fqns}
         extra = natural_sorted(set(stored) - set(state_dict))
         if extra:
             per_expert = any(".experts." in key and key.split(".experts.", 1)[1][:1].isdigit() for key in extra)
@@ -334,7 +341,7 @@ class _AdapterLoadPlanner(HFMappingPlanner):
             raise MappingError(f"{len(shapes)} tensors differ in shape: the file holds {list(file_shape)}, the model "
                                f"{list(model_shape)} (an adapter for another base model, or another rank r)",
                                file=self.file, key=key)
-        return super().plan_reads(state_dict, metadata)
+        return super().plan_reads(self.state_dict, metadata)
 
 
 def load_peft_adapter(
@@ -364,8 +371,9 @@ def load_peft_adapter(
     afterwards; ``load_options`` go to :func:`~hp_dcp_hf.load_hf_checkpoint`.
     """
     path = os.fspath(path)
-    names = adapter_keys(model, adapter_name)
-    if not names:
+    names = adapter_keys(model, adapter_name, save_embedding_layers=True)
+    required = adapter_keys(model, adapter_name, save_embedding_layers=False)
+    if not required:
         raise ArgumentError(f"adapter {adapter_name!r} of the model has no tensors to load")
     location, single = locate(*filesystem(path, storage_options))
     if single is not None:
@@ -376,7 +384,7 @@ def load_peft_adapter(
         raise CheckpointNotFoundError("the adapter has no adapter_model.safetensors", file=location.url(ADAPTER_WEIGHTS))
     weights = _join(path, ADAPTER_WEIGHTS)
     view = AdapterTensors(model, names)
-    planner = _AdapterLoadPlanner(view, location.url(ADAPTER_WEIGHTS))
+    planner = _AdapterLoadPlanner(view, location.url(ADAPTER_WEIGHTS), frozenset(names) - frozenset(required))
     reader = reader if reader is not None else HFStorageReader(weights, storage_options=storage_options)
     return load_hf_checkpoint(view, weights, reader=reader, planner=planner, **load_options)
 
@@ -576,18 +584,59 @@ def _style(placement: Placement, role: str) -> ParallelStyle:
     raise LayoutError(f"no parallel style places {role} as {placement}")  # pragma: no cover - lora_placements' own
 
 
+def _as_dtensor(param: torch.Tensor, mesh: Any, placement: Placement, shape: tuple[int, ...], key: str) -> nn.Parameter:
+    """``param`` of a LoRA layer as a DTensor of global ``shape`` laid out as ``placement``.
+
+    peft sizes a LoRA layer from its base: over a whole base weight the LoRA tensors are whole
+    (they are distributed, a sharded one from rank 0's values as torch's styles do); over a
+    DTensor base under TP it takes the *local* shape of the base weight, so each rank's tensor is
+    its shard already (it is wrapped as it is: each rank keeps its own slice). A replicated tensor
+    is broadcast from the mesh's first rank either way: ranks that initialized it apart agree."""
+    if isinstance(param, DTensor):
+        return param if isinstance(param, nn.Parameter) else nn.Parameter(param)
+    data = param.detach()
+    if tuple(data.shape) == tuple(shape) or placement == Replicate():
+        if tuple(data.shape) != tuple(shape):
+            raise LayoutError(f"the LoRA tensor is {list(data.shape)}, its base layer implies {list(shape)}", key=key)
+        value = distribute_tensor(data, mesh, [placement])
+    else:
+        dim = placement.dim  # type: ignore[attr-defined]
+        size = mesh.size()
+        expected = [min(-(-shape[dim] // size), max(0, shape[dim] - i * -(-shape[dim] // size))) for i in range(size)]
+        if data.shape[dim] != expected[mesh.get_local_rank()] or any(
+                a != b for d, (a, b) in enumerate(zip(data.shape, shape)) if d != dim):
+            raise LayoutError(f"the LoRA tensor is {list(data.shape)}: neither its base layer's global shape "
+                              f"{list(shape)} nor this rank's shard of it", key=key)
+        stride = torch.empty(shape, device="meta").stride()
+        value = DTensor.from_local(data, mesh, [placement], run_check=False, shape=torch.Size(shape), stride=stride)
+    return nn.Parameter(value, requires_grad=param.requires_grad)
+
+
 def parallelize_lora(model: nn.Module) -> dict[str, LoraLayout]:
     """Shard the LoRA layers of a tensor-parallel PEFT model as their base layers are sharded
     (:func:`lora_tp_plan`), with torch's ``parallelize_module``: a colwise base gets its ``lora_B``
     ``ColwiseParallel`` and its ``lora_A`` replicated, a rowwise base its ``lora_A``
     ``RowwiseParallel`` and its ``lora_B`` replicated, so ``base(x) + B(A(x))`` adds two shards of
-    the same outputs. Call it after TP of the base (and ``get_peft_model``), before ``fully_shard``.
-    Returns the plan applied (module name -> :class:`LoraLayout`)."""
+    the same outputs, and the LoRA tensors are DTensors of the adapter's global shapes (what the
+    file holds, what a load reads boxes of and a save writes).
+
+    Call it after TP of the base and ``get_peft_model`` (in either order: peft sizes LoRA from a TP
+    base's local shards, and those shards are kept), before ``fully_shard``. Returns the plan
+    applied (module name -> :class:`LoraLayout`)."""
     plan = lora_tp_plan(model)
     for name, layout in plan.items():
         module = model.get_submodule(name)
-        mesh = module.get_base_layer().weight.device_mesh
+        base = module.get_base_layer()
+        mesh = base.weight.device_mesh
         for role, placement in (("lora_A", layout.lora_A), ("lora_B", layout.lora_B)):
-            for adapter in getattr(module, role).values():
-                parallelize_module(adapter, mesh, _style(placement, role))
+            for adapter, linear in getattr(module, role).items():
+                rank = linear.weight.shape[0 if role == "lora_A" else 1]
+                shapes = {"weight": (rank, base.in_features) if role == "lora_A" else (base.out_features, rank),
+                          "bias": (rank,) if role == "lora_A" else (base.out_features,)}
+                for param_name, param in list(linear.named_parameters(recurse=False)):
+                    where = Replicate() if param_name == "bias" and placement == Shard(1) else placement
+                    linear.register_parameter(param_name, _as_dtensor(
+                        param, mesh, where, shapes[param_name], f"{name}.{role}.{adapter}.{param_name}"))
+                linear.in_features, linear.out_features = shapes["weight"][1], shapes["weight"][0]
+                parallelize_module(linear, mesh, _style(placement, role))
     return plan
