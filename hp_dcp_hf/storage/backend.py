@@ -163,6 +163,11 @@ class Backend:
     def join(self, root: str, file: str) -> str:
         return posixpath.join(root, file) if root else file
 
+    def shared(self, root: str) -> bool:
+        """Whether other machines read ``root`` from the same storage, so that ranks reading it
+        each for themselves move its bytes once per rank: remote stores always."""
+        return not self.local
+
     def url(self, path: str) -> str:
         """``path`` as errors name it: as the user would write it, scheme included (``path`` itself here)."""
         return path

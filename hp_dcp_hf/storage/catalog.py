@@ -198,7 +198,9 @@ class Catalog:
     ``versions``: each file as it was when its header was read (size and version tag); a
     :class:`~hp_dcp_hf.storage.location.CheckpointLocation` given them checks data reads against them.
     ``quantization_config``: the ``quantization_config`` of the directory's ``config.json``, if any
-    (a quantized checkpoint's tensors only mean something with it).
+    (a quantized checkpoint's tensors only mean something with it). ``shared``: whether ``root``
+    lies on storage other machines read too (``Backend.shared``), as the rank that scanned saw it:
+    every rank decides on cooperating from this one observation.
     """
 
     root: str
@@ -206,6 +208,7 @@ class Catalog:
     entries: Mapping[str, CheckpointTensor]
     versions: Mapping[str, FileVersion] = field(default_factory=dict)
     quantization_config: Mapping[str, Any] | None = None
+    shared: bool = False
 
     def to_json(self) -> bytes:
         """Every tensor as ``[key, dtype, shape, parts]``, a part as ``[file, data_start, nbytes]``
@@ -222,7 +225,7 @@ class Catalog:
         versions = {file: version.to_json() for file, version in self.versions.items()}
         return json.dumps(
             {"root": self.root, "files": list(self.files), "entries": entries, "versions": versions,
-             "quantization_config": self.quantization_config}
+             "quantization_config": self.quantization_config, "shared": self.shared}
         ).encode()
 
     @classmethod
@@ -239,7 +242,8 @@ class Catalog:
                 stored.append(TensorEntry(key, file, name, dtype, tuple(size), start, nbytes, at))
             entries[key] = CheckpointTensor(key, name, dtype, tuple(shape), tuple(stored))
         versions = {file: FileVersion.from_json(value) for file, value in data.get("versions", {}).items()}
-        return cls(data["root"], tuple(data["files"]), entries, versions, data.get("quantization_config"))
+        return cls(data["root"], tuple(data["files"]), entries, versions, data.get("quantization_config"),
+                   bool(data.get("shared", False)))
 
 
 def _check_index_file_name(name: object, key: str) -> str:
@@ -392,7 +396,8 @@ def scan(
         _check_one_save(headers, save_id)
     versions = {file: location.version(file) for file in files}
     quantization = _read_quantization_config(location, stats) if CONFIG_FILE in names else None
-    return Catalog(location.root, files, _collect(headers, weight_map), versions, quantization)
+    return Catalog(location.root, files, _collect(headers, weight_map), versions, quantization,
+                   location.backend.shared(location.root))
 
 
 def _read_quantization_config(location: CheckpointLocation, stats: ReadStats) -> dict[str, Any] | None:

@@ -31,6 +31,7 @@ from hp_dcp_hf.storage.backend import (
     fill_views,
     host_name,
 )
+from hp_dcp_hf.storage.mounts import filesystem_type, is_shared
 
 T = TypeVar("T")
 
@@ -241,6 +242,10 @@ class FsspecBackend(Backend):
 
     def __repr__(self) -> str:
         return f"FsspecBackend({type(self.fs).__name__})"
+
+    def shared(self, root: str) -> bool:
+        """Local files are shared when their file system is a network, cluster or FUSE one."""
+        return is_shared(filesystem_type(root)) if self.local else True
 
     def url(self, path: str) -> str:
         """A remote path with its scheme (``s3://bucket/key``: s3fs paths drop it, and then read like

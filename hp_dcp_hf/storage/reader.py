@@ -251,6 +251,7 @@ class HFStorageReader(StorageReader):
         self.requests_log: list[tuple[str, int, int]] = []
         self.staging = StagingStats()  # what went through the staging ring in the last read_data
         self._location: CheckpointLocation | None = None
+        self._shared = False  # the checkpoint's storage is shared with other machines (Catalog.shared)
 
     @property
     def checkpoint_id(self) -> str:
@@ -294,10 +295,12 @@ class HFStorageReader(StorageReader):
 
     def cooperates(self, world_size: int) -> bool:
         """Whether replicas split their reads in a load on ``world_size`` ranks: with
-        ``replicas="auto"``, on remote stores only (local reads cost less than the exchange)."""
+        ``replicas="auto"``, on storage other machines share (remote stores, network, cluster and
+        FUSE file systems), not on a node's own disk (its reads cost less than the exchange). Every
+        rank decides from what the scanning rank saw (``Catalog.shared``): the same on all."""
         if world_size < 2 or self.replicas == "never" or self._location is None:
             return False
-        return self.replicas == "always" or not self._location.backend.local
+        return self.replicas == "always" or self._shared
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
@@ -346,6 +349,7 @@ class HFStorageReader(StorageReader):
             catalog = self._scan()
         # The files' versions travel with the headers: every rank's reads are checked against them.
         self._location = CheckpointLocation(self._fs, catalog.root, catalog.versions)
+        self._shared = catalog.shared
         self.cooperating = self.cooperates(dist.get_world_size() if should_broadcast() else 1)
         self.entries = dict(catalog.entries)
         state_dict_metadata: dict[str, Any] = {}
