@@ -330,3 +330,15 @@ def test_a_failed_save_leaves_the_older_adapter_as_it_was(adapter, tmp_path):
     assert json.loads((out / ADAPTER_CONFIG).read_text())["lora_alpha"] == 99
     ours, theirs = load_file(out / ADAPTER_WEIGHTS), load_file(reference_dir / ADAPTER_WEIGHTS)
     assert any(not torch.equal(ours[k], theirs[k]) for k in theirs)
+
+
+def test_a_transformers_4_moe_adapter_is_named_as_such(tmp_path):
+    """Per-expert keys (``mlp.experts.0.gate_proj.lora_A``: an adapter trained on transformers 4's
+    per-expert Linears) are refused with what they are, not as any unknown key."""
+    base, path = make_adapter("qwen3_moe", tmp_path)
+    broken = _copy_adapter(path, tmp_path / "v4")
+    tensors = load_file(path / ADAPTER_WEIGHTS)
+    tensors["base_model.model.model.layers.1.mlp.experts.0.gate_proj.lora_A.weight"] = torch.zeros(RANK, 44)
+    save_file(tensors, broken / ADAPTER_WEIGHTS, metadata={"format": "pt"})
+    error = _refused(wrapped("qwen3_moe", base, path), broken, UnexpectedKeysError)
+    assert error.key.endswith("experts.0.gate_proj.lora_A.weight") and "transformers-4 MoE adapter" in error.reason
