@@ -417,11 +417,7 @@ class AdapterStorageWriter(HFStorageWriter):
 
     def finish(self, metadata: Metadata, results: list[list[Any]]) -> None:
         """Coordinator, once every rank wrote: publish the adapter (one journaled switch)."""
-        expected = sum(f.size - len(f.header) for f in self.files)
-        written = sum(r.size_in_bytes for rank in results for r in rank)
-        if written != expected:
-            raise StorageWriteError(f"the ranks wrote {written} bytes of tensor data, the file holds {expected}",
-                                    file=self.path)
+        self.check_all_written(results)
         assert self.staged is not None
         staged, destination = self.staged, self.destination
         destination.check_staged(staged, self.files)

@@ -216,14 +216,18 @@ class HFStorageWriter(StorageWriter):
     # -- commit ---------------------------------------------------------------------------------
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Coordinator, once every rank wrote: publish the files (one atomic switch)."""
+        self.check_all_written(results)
+        assert self.staged is not None
+        self.destination.publish(self.staged, self.files, self.extra_files, self.index)
+        self.staged = None
+
+    def check_all_written(self, results: list[list[WriteResult]]) -> None:
+        """Coordinator: the ranks together wrote exactly the files' tensor data, or nothing is published."""
         expected = sum(f.size - len(f.header) for f in self.files)
         written = sum(r.size_in_bytes for rank in results for r in rank)
         if written != expected:
             raise StorageWriteError(f"the ranks wrote {written} bytes of tensor data, the files hold {expected}",
                                     file=self.path)
-        assert self.staged is not None
-        self.destination.publish(self.staged, self.files, self.extra_files, self.index)
-        self.staged = None
 
     def abort(self) -> None:
         """Coordinator: drop what was staged, unless its publish was journaled (then the next save
