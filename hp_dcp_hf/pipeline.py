@@ -135,7 +135,9 @@ def read_config(path: str, storage_options: Mapping[str, Any] | None = None):
         )
     config_class = CONFIG_MAPPING[data["model_type"]]
     # As AutoConfig reads it: floats JSON cannot hold are stored as {"__float__": "Infinity"}.
-    return config_class.from_dict(config_class._decode_special_floats(data))
+    config = config_class.from_dict(config_class._decode_special_floats(data))
+    config.name_or_path = path  # as from_pretrained names it (model.name_or_path; peft's base_model_name_or_path)
+    return config
 
 
 def resolve_model_class(config, model_cls: type[nn.Module] | None = None) -> type[nn.Module]:

@@ -59,6 +59,16 @@ def test_the_default_dtype_is_the_one_transformers_from_pretrained_picks(tiny_ch
         assert torch.equal(ours.state_dict()[key], value), key
 
 
+def test_the_model_is_named_after_its_checkpoint_as_transformers_names_it(tiny_checkpoints):
+    """``model.name_or_path`` is the path given (what peft writes as ``base_model_name_or_path``),
+    and it stays out of ``config.json``."""
+    ckpt = tiny_checkpoints("llama", torch.float32)
+    theirs = model_class("llama").from_pretrained(ckpt.path)
+    ours, _ = from_pretrained(str(ckpt.path))
+    assert ours.name_or_path == theirs.name_or_path == str(ckpt.path)
+    assert "name_or_path" not in ours.config.to_json_string(use_diff=True)
+
+
 def test_auto_without_a_config_dtype_takes_the_checkpoints_first_floating_dtype(tiny_checkpoints, tmp_path):
     path = _copy(tiny_checkpoints("llama", torch.bfloat16).path, tmp_path / "ckpt")
     config = json.loads((path / "config.json").read_text())

@@ -75,9 +75,7 @@ def _sharded_peft_model(family: str, mesh_spec: str, base: str, adapter: str):
                 parallelize_module(layer, mesh["tp"], _tp_plan(family))
 
     model, _ = from_pretrained(base, dtype=torch.float32, model_cls=model_class(family), parallelize=tp)
-    # get_peft_model writes the base's name_or_path into the adapter's config (peft's save then names
-    # it in adapter_config.json); transformers' from_pretrained sets it, hp_dcp_hf's does not
-    model.name_or_path = base
+    assert model.name_or_path == base  # get_peft_model copies it into adapter_config.json
     peft_model = get_peft_model(model, read_adapter_config(adapter))
     plan = parallelize_lora(peft_model)
     if "dp" in dims:
