@@ -1,6 +1,7 @@
 # hp-dcp-hf developer entry points. Needs only python3 (with venv + pip) and make.
 #   make demo   real multi-rank load of a checkpoint (the main job)
 #   make test   ruff + the whole pytest suite (what .ci/run runs)
+#   make compat TORCH=2.X.Y   the same, in a venv of its own with that torch release
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -13,6 +14,11 @@ TORCH_PIN ?= torch==2.13.0
 STAMP  := $(VENV)/.hp-dcp-hf-installed
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
+# make compat TORCH=2.X.Y: `make test` in $(COMPAT_VENV), a venv of its own with torch==$(TORCH) (from
+# PyPI: a CUDA wheel with its nvidia-* libraries, several GB; it runs on CPU too). pyproject.toml's
+# range is what it checks: its floor and the newest release the machine's pip allows.
+TORCH ?=
+COMPAT_VENV := .venv-compat-$(TORCH)
 
 # ruff on the project's own Python files: every file git tracks, plus new (untracked, not ignored)
 # files under hp_dcp_hf/, tests/ and bench/; untracked scratch files elsewhere are not linted. Outside a
@@ -26,19 +32,20 @@ RUFF_CHECK = if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then \
 	else $(BIN)/ruff check .; fi
 
 .DEFAULT_GOAL := help
-.PHONY: help venv test fuzz bench lint format demo clean distclean
+.PHONY: help venv test compat fuzz bench lint format demo clean distclean
 BENCH_ARGS ?=
 
 help:
 	@echo "make demo       multi-rank load demo ($(PY) -m hp_dcp_hf demo $(DEMO_ARGS))"
 	@echo "make test       make lint + pytest -q tests/ (PYTEST_ARGS=... to pass more)"
+	@echo "make compat TORCH=2.X.Y  the pytest run of make test in .venv-compat-TORCH, with torch==TORCH"
 	@echo "make fuzz       the dedicated 10,000-case parser fuzzing run"
 	@echo "make bench      benchmarks (bench/README.md; BENCH_ARGS='--size full' for the real run)"
 	@echo "make lint       ruff check (git's tracked files + new files under $(LINT_SOURCES))"
 	@echo "make format     ruff format + ruff check --fix"
 	@echo "make venv       create $(VENV) and install the project with [test,demo] extras"
 	@echo "make clean      remove caches and build outputs (keeps $(VENV))"
-	@echo "make distclean  clean + remove $(VENV)"
+	@echo "make distclean  clean + remove $(VENV) and the .venv-compat-* venvs"
 
 venv: $(STAMP)
 
@@ -46,7 +53,7 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
 	$(PY) -m pip install '$(TORCH_PIN)'
-	$(PY) -m pip install -e '.[test,demo]'
+	$(PY) -m pip install -e '.[test,demo]' '$(TORCH_PIN)'
 	@touch $@
 
 lint: venv
@@ -56,12 +63,24 @@ format: venv
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
-# pytest exits 5 when it collected no test: that is a failure here, not a pass.
+# The suite under the python $(1). pytest exits 5 when it collected no test: that is a failure here,
+# not a pass.
+PYTEST_RUN = rc=0; $(1) -m pytest -q tests/ $(PYTEST_ARGS) || rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make $@: pytest collected no tests -- failing" >&2; exit 1; fi; \
+	exit $$rc
+
 test: venv
 	@$(RUFF_CHECK)
-	@rc=0; $(PY) -m pytest -q tests/ $(PYTEST_ARGS) || rc=$$?; \
-	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests -- failing" >&2; exit 1; fi; \
-	exit $$rc
+	@$(call PYTEST_RUN,$(PY))
+
+# `make test`'s pytest run in $(COMPAT_VENV) (lint does not depend on torch: `make lint`), which a
+# second make builds as `make venv` builds $(VENV): torch==$(TORCH) first, and kept pinned while the
+# extras are resolved (an extra needing another torch fails the install instead of replacing it).
+compat:
+	@if [ -z "$(TORCH)" ]; then echo "usage: make compat TORCH=2.X.Y (e.g. the floor in pyproject.toml)" >&2; exit 2; fi
+	@$(MAKE) --no-print-directory venv VENV=$(COMPAT_VENV) TORCH_PIN='torch==$(TORCH)'
+	@$(COMPAT_VENV)/bin/python -c 'import torch; print("make compat: torch", torch.__version__)'
+	@$(call PYTEST_RUN,$(COMPAT_VENV)/bin/python)
 
 demo: venv
 	$(PY) -m hp_dcp_hf demo $(DEMO_ARGS)
@@ -74,7 +93,7 @@ fuzz: venv
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache .ruff_cache .hypothesis demo_out
-	find . -path ./$(VENV) -prune -o -type d -name __pycache__ -prune -exec rm -rf {} +
+	find . \( -path ./$(VENV) -o -path './.venv-compat-*' \) -prune -o -type d -name __pycache__ -prune -exec rm -rf {} +
 
 distclean: clean
-	rm -rf $(VENV)
+	rm -rf $(VENV) .venv-compat-*
