@@ -110,6 +110,14 @@ class RangeFile:
         ``None`` for the others. The mapping lives as long as the view (and what is made of it)."""
         return None
 
+    def advise(self, start: int, end: int) -> None:
+        """Tell the store that bytes ``[start, end)`` will be read soon (local files: the kernel's
+        ``posix_fadvise(WILLNEED)`` readahead); nothing where it cannot be told."""
+
+    def use_direct_io(self) -> bool:
+        """Read the rest with ``O_DIRECT`` (around the page cache) where the file allows it; whether it does."""
+        return False
+
     def close(self) -> None:
         """Release what the handle holds."""
 

@@ -14,6 +14,7 @@ import asyncio
 import mmap
 import os
 import posixpath
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -40,6 +41,21 @@ _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 REMOTE_BLOCK_BYTES = 16 * 2**20
 """Largest single ``cat_file`` request: bounds the temporary ``bytes`` a remote read holds at once."""
 
+DIRECT_IO_ALIGN = 4096
+"""Alignment of ``O_DIRECT`` reads (offset, length, buffer address): a page, a multiple of every
+logical block size in use."""
+
+_bounce = threading.local()
+
+
+def _bounce_buffer(nbytes: int) -> memoryview:
+    """This thread's page-aligned buffer of at least ``nbytes`` (an anonymous mapping, kept for the
+    thread's next ``O_DIRECT`` read)."""
+    buffer = getattr(_bounce, "buffer", None)
+    if buffer is None or len(buffer) < nbytes:
+        buffer = _bounce.buffer = mmap.mmap(-1, nbytes)
+    return memoryview(buffer)[:nbytes]
+
 
 # -- local files ----------------------------------------------------------------------------------
 
@@ -60,6 +76,11 @@ class _LocalFile(RangeFile):
     syscalls of a layout that reads one range per row. A mapped file truncated during the copy is
     the exception: the kernel answers the access past its end with SIGBUS, as for every reader that
     maps files.
+
+    :meth:`advise` hands ranges to the kernel's readahead (``posix_fadvise(WILLNEED)``);
+    after :meth:`use_direct_io`, reads go around the page cache (``O_DIRECT``): each one reads the
+    page-aligned envelope of its range into a page-aligned buffer of the thread, then copies the
+    range out of it.
     """
 
     def __init__(self, file: str, path: str, expected: FileVersion | None = None) -> None:
@@ -67,6 +88,9 @@ class _LocalFile(RangeFile):
         self._expected = expected
         self._checked = False
         self._size: int | None = None
+        self._path = path
+        self._direct_fd: int | None = None
+        self._advised = False
         try:
             self._fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError as e:
@@ -86,6 +110,9 @@ class _LocalFile(RangeFile):
             self._check_unchanged()
         views = [v for v in (memoryview(b).cast("B") for b in buffers) if v.nbytes]
         end = start + sum(v.nbytes for v in views)
+        if self._direct_fd is not None:
+            self._read_direct(start, end, views)
+            return
         pos, first = start, 0
         while first < len(views):
             try:
@@ -103,6 +130,42 @@ class _LocalFile(RangeFile):
             if got:
                 views[first] = views[first][got:]
 
+    def _read_direct(self, start: int, end: int, views: list[memoryview]) -> None:
+        """``[start, end)`` through an aligned ``O_DIRECT`` read of its envelope into the bounce buffer."""
+        low = start - start % DIRECT_IO_ALIGN
+        bounce = _bounce_buffer(-(-end // DIRECT_IO_ALIGN) * DIRECT_IO_ALIGN - low)
+        pos = low
+        while pos < end:  # a read stops short only at the end of the file (then pos is past it)
+            try:
+                got = os.preadv(self._direct_fd, [bounce[pos - low :]], pos)
+            except OSError as e:
+                raise StorageReadError(f"O_DIRECT read at {pos} failed: {e}", file=self.file) from e
+            if got == 0:
+                self._check_unchanged()
+                raise self._short(start, end, max(0, pos - start))
+            pos += got
+        fill_views(views, (0, 0), bounce[start - low : end - low])
+
+    def advise(self, start: int, end: int) -> None:
+        """``WILLNEED`` of the range; the first advice also turns the kernel's own readahead off for
+        this handle (``FADV_RANDOM``, and ``MADV_RANDOM`` on its mappings): a reader that says what it
+        reads gains nothing from the guesses, which fetch bytes around the ranges that no one asked for."""
+        if not hasattr(os, "posix_fadvise"):  # macOS: no advice to give
+            return
+        if not self._advised:
+            os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_RANDOM)
+            self._advised = True
+        if end > start:
+            os.posix_fadvise(self._fd, start, end - start, os.POSIX_FADV_WILLNEED)
+
+    def use_direct_io(self) -> bool:
+        if self._direct_fd is None and hasattr(os, "O_DIRECT"):
+            try:
+                self._direct_fd = os.open(self._path, os.O_RDONLY | os.O_DIRECT)
+            except OSError:  # a file system without O_DIRECT (tmpfs): buffered reads
+                return False
+        return self._direct_fd is not None
+
     def mapped(self, start: int, end: int) -> memoryview:
         if not self._checked:
             self._check_unchanged()
@@ -117,6 +180,8 @@ class _LocalFile(RangeFile):
             mapping = mmap.mmap(self._fd, end - offset, access=mmap.ACCESS_COPY, offset=offset)
         except (OSError, ValueError) as e:
             raise StorageReadError(f"cannot map [{start}, {end}): {e}", file=self.file) from e
+        if self._advised and hasattr(mmap, "MADV_RANDOM"):
+            mapping.madvise(mmap.MADV_RANDOM)
         return memoryview(mapping)[start - offset :]
 
     def close(self) -> None:
@@ -125,6 +190,8 @@ class _LocalFile(RangeFile):
                 self._check_unchanged()
         finally:
             os.close(self._fd)
+            if self._direct_fd is not None:
+                os.close(self._direct_fd)
 
 
 # -- fsspec: transient errors ---------------------------------------------------------------------

@@ -51,6 +51,7 @@ from hp_dcp_hf.perf import paused_gc
 from hp_dcp_hf.storage.broadcast import agree_on_failure, share_from_rank0, should_broadcast
 from hp_dcp_hf.storage.catalog import QUANTIZATION_CONFIG, Catalog, CheckpointTensor, find_files, scan
 from hp_dcp_hf.storage.copy import copy_into
+from hp_dcp_hf.storage.fsspec_backend import DIRECT_IO_ALIGN
 from hp_dcp_hf.storage.header import TensorEntry
 from hp_dcp_hf.storage.location import CheckpointLocation, RangeFile, filesystem, locate
 from hp_dcp_hf.storage.ranges import (
@@ -184,7 +185,13 @@ class HFStorageReader(StorageReader):
     mapping of local files (the fast path, and ``coalesce_gap`` does not apply: only needed bytes
     are copied); ``False`` reads them with ``os.preadv`` instead, which is slower on row-sharded
     layouts but turns a disk error or a file truncated during the read into
-    :class:`StorageReadError` where a mapping gets SIGBUS.
+    :class:`StorageReadError` where a mapping gets SIGBUS. Cold page cache, local files (both off
+    by default; ``bench/cold.py`` measures them): ``prefetch`` hands each batch's ranges to the
+    kernel's readahead (``posix_fadvise(WILLNEED)``) from a thread that runs ahead of the reads by
+    at most four staging budgets, and again as each batch starts, and turns the kernel's own
+    readahead guesses off for those files (``FADV_RANDOM``, ``MADV_RANDOM``); ``direct_io`` reads with ``O_DIRECT`` (around the page cache;
+    ranged reads, not mappings; requests coalesced across holes shorter than a page unless
+    ``coalesce_gap`` says otherwise; buffered where the file system refuses it).
 
     Remote paths: ``s3://bucket/prefix`` (and other fsspec URLs), ``http(s)://`` directories that
     serve ``model.safetensors.index.json`` (or one ``.safetensors`` file), ``hf://org/repo[@rev]
@@ -212,6 +219,8 @@ class HFStorageReader(StorageReader):
         record_requests: bool = False,
         map_local_files: bool = True,
         replicas: Literal["auto", "always", "never"] = "auto",
+        prefetch: bool = False,
+        direct_io: bool = False,
         **fs_kwargs: Any,
     ) -> None:
         super().__init__()
@@ -220,6 +229,8 @@ class HFStorageReader(StorageReader):
         self.replicas = replicas
         self.record_requests = record_requests
         self.map_local_files = map_local_files
+        self.prefetch = prefetch
+        self.direct_io = direct_io
         self._request_pool: ThreadPoolExecutor | None = None
         if (coalesce_gap or 0) < 0 or num_threads < 1 or staging_bytes < _ALIGN * num_threads:
             raise ValueError(
@@ -266,7 +277,10 @@ class HFStorageReader(StorageReader):
     @property
     def _maps(self) -> bool:
         """Data is copied out of mappings of the files rather than read by ranges."""
-        return self.map_local_files and self._location is not None and self._location.backend.mappable
+        return (
+            self.map_local_files and not self.direct_io and self._location is not None
+            and self._location.backend.mappable
+        )
 
     @property
     def _gap(self) -> int:
@@ -275,7 +289,11 @@ class HFStorageReader(StorageReader):
             return 0
         if self.coalesce_gap is not None:
             return self.coalesce_gap
-        return self._location.backend.coalesce_gap if self._location is not None else 0
+        if self._location is None:
+            return 0
+        if self.direct_io and self._location.backend.local:
+            return DIRECT_IO_ALIGN  # O_DIRECT reads whole pages: a hole inside one costs nothing more
+        return self._location.backend.coalesce_gap
 
     @property
     def _batch_bytes(self) -> int:
@@ -464,7 +482,16 @@ class HFStorageReader(StorageReader):
         ring = StagingRing(self._batch_workers + 1, chunk_budget, pin=bool(devices))
         copier = SlotCopier(ring, devices)
 
+        batches = _batches(chunks, chunk_budget)
+        prefetcher = (
+            _Prefetcher(self._location, batches, self._gap, 4 * self.staging_bytes)
+            if self.prefetch and self._location.backend.local and batches
+            else None
+        )
+
         def finish(batch: list[_Chunk]) -> None:
+            if prefetcher is not None:
+                prefetcher.done(sum(chunk.nbytes for chunk in batch))
             for chunk in batch:
                 with lock:
                     remaining[chunk.item] -= 1
@@ -480,7 +507,7 @@ class HFStorageReader(StorageReader):
             with requests as self._request_pool, ThreadPoolExecutor(self._batch_workers) as pool:
                 futures = [
                     pool.submit(self._read_batch, self._location, batch, finish, copier)
-                    for batch in _batches(chunks, chunk_budget)
+                    for batch in batches
                 ]
                 completed, _ = wait(futures, return_when=FIRST_EXCEPTION)
                 failed = [f for f in completed if f.exception() is not None]
@@ -488,6 +515,8 @@ class HFStorageReader(StorageReader):
                     for f in futures:
                         f.cancel()
         finally:
+            if prefetcher is not None:
+                prefetcher.close()
             copy_error = copier.close()  # every device copy done, its items committed
             self.staging = copier.stats
             if devices:
@@ -578,6 +607,10 @@ class HFStorageReader(StorageReader):
         targets = [staged.get(i, chunk.dest) for i, chunk in enumerate(batch)]
         try:
             with location.open(file) as handle:  # closing checks the file is unchanged
+                if self.direct_io:
+                    handle.use_direct_io()
+                elif self.prefetch:  # the batch's own ranges, whatever the thread ahead did
+                    _advise(handle, batch, self._gap)
                 if mapped:
                     self._copy_mapped(handle, batch, targets)
                 else:
@@ -664,6 +697,59 @@ class HFStorageReader(StorageReader):
         except StorageReadError as e:
             keys = ", ".join(dict.fromkeys(batch[p.owner].entry.key for p in request.pieces))
             raise StorageReadError(e.reason, file=e.file, key=keys) from e
+
+
+class _Prefetcher:
+    """``posix_fadvise(WILLNEED)`` of every batch's ranges (coalesced with the reader's gap, at least
+    a page), in the order the batches are read, on a thread of its own that stays at most
+    ``window`` bytes ahead of the batches read. Advice only: an error stops it, never the load."""
+
+    def __init__(self, location: CheckpointLocation, batches: list[list[_Chunk]], gap: int, window: int) -> None:
+        self._location, self._batches = location, batches
+        self._gap, self._window = gap, window
+        self._done = 0
+        self._stop = False
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="hp-dcp-hf-prefetch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        handles: dict[str, RangeFile] = {}
+        self._advised = 0
+        try:
+            for batch in self._batches:
+                with self._cond:
+                    self._cond.wait_for(lambda: self._stop or self._advised - self._done <= self._window)
+                    if self._stop:
+                        return
+                file = batch[0].entry.file
+                if file not in handles:
+                    handles[file] = self._location.open(file)
+                _advise(handles[file], batch, self._gap)
+                self._advised += sum(chunk.nbytes for chunk in batch)
+        except Exception:  # noqa: BLE001 - advice only: the reads themselves report errors
+            return
+        finally:
+            for handle in handles.values():
+                with contextlib.suppress(Exception):
+                    handle.close()
+
+    def done(self, nbytes: int) -> None:
+        with self._cond:
+            self._done += nbytes
+            self._cond.notify()
+
+    def close(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+        self._thread.join()
+
+
+def _advise(handle: RangeFile, batch: list[_Chunk], gap: int) -> None:
+    """:meth:`RangeFile.advise` of the batch's ranges, coalesced across holes below ``gap`` or a page."""
+    for request in coalesce(_pieces(batch), max(gap, DIRECT_IO_ALIGN)):
+        handle.advise(request.start, request.end)
 
 
 def _large_reads(batch: list[_Chunk]) -> bool:
