@@ -91,7 +91,7 @@ def _nan_filled(full: torch.Tensor, mesh: DeviceMesh, placements: list) -> DTens
 
 
 def _identical(loaded: DTensor, full: torch.Tensor) -> bool:
-    whole = loaded.full_tensor()  # not always contiguous (torch 2.12's gather along a last dim)
+    whole = loaded.full_tensor()  # not always contiguous on torch 2.12
     return whole.shape == full.shape and torch.equal(
         whole.reshape(-1).view(torch.uint8), full.reshape(-1).view(torch.uint8)
     )
