@@ -482,6 +482,7 @@ def render(doc: dict[str, Any]) -> str:
              "median over median (min over min; median of the per-repetition ratios). *storage*: the ranks' "
              "`/proc/self/io` `read_bytes` (what the block device delivered; one page cache for all ranks "
              "here); *cache after*: what the load left resident (readahead included).", ""]
+    lines += [line for note in doc.get("notes", []) for line in (f"Note: {note}", "")]
     lines += ["| workload | ranks | mesh | contender | wall s median | wall s min | vs floor (median) | vs floor (min) "
               "| vs floor (paired) | bytes read / rank (max) | storage bytes, all ranks | cache after | "
               "resident before (max) | requests / rank (max) | correct |", "|" + "---|" * 15]
