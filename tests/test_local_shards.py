@@ -171,26 +171,36 @@ def test_without_the_ranks_geometry_a_rank_writes_all_its_shards():
 # -- one process holding every shard: load and save exact ----------------------------------------------
 
 
-def _shard_rows(model: torch.nn.Module, pad: int = 1) -> None:
-    """Every parameter becomes a protocol tensor of two shards (its rows cut unevenly, the second
-    first in the buffer), ``pad`` padding rows after each; tied parameters stay one."""
+def replace_parameters(model: torch.nn.Module, make) -> None:
+    """Every parameter replaced by ``make(param)`` (tied parameters by one), and the shard geometry
+    kept through ``state_dict()``."""
     done: dict[int, torch.nn.Parameter] = {}
     for module in model.modules():
         for name, param in list(module._parameters.items()):
             if param is None:
                 continue
             if id(param) not in done:
-                rows = param.shape[0]
-                cut = max(1, rows // 3)
-                rest = tuple(param.shape[1:])
-                zero = (0,) * len(rest)
-                buffer = torch.full((rows + 2 * pad, *rest), float("nan"), dtype=param.dtype)
-                new = torch.nn.Parameter(buffer, requires_grad=param.requires_grad)
-                mark_checkpointable(new, tuple(param.shape), [(cut, *zero), (0, *zero)],
-                                    [(0, *zero), (rows - cut + pad, *zero)], [(rows - cut, *rest), (cut, *rest)])
-                done[id(param)] = new
+                done[id(param)] = make(param)
             module._parameters[name] = done[id(param)]
     keep_shard_geometry(model)
+
+
+def _shard_rows(model: torch.nn.Module, pad: int = 1) -> None:
+    """Every parameter becomes a protocol tensor of two shards (its rows cut unevenly, the second
+    first in the buffer), ``pad`` padding rows after each; tied parameters stay one."""
+
+    def make(param: torch.nn.Parameter) -> torch.nn.Parameter:
+        rows = param.shape[0]
+        cut = max(1, rows // 3)
+        rest = tuple(param.shape[1:])
+        zero = (0,) * len(rest)
+        buffer = torch.full((rows + 2 * pad, *rest), float("nan"), dtype=param.dtype)
+        new = torch.nn.Parameter(buffer, requires_grad=param.requires_grad)
+        mark_checkpointable(new, tuple(param.shape), [(cut, *zero), (0, *zero)],
+                            [(0, *zero), (rows - cut + pad, *zero)], [(rows - cut, *rest), (cut, *rest)])
+        return new
+
+    replace_parameters(model, make)
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:

@@ -79,27 +79,22 @@ def shard_model(model: torch.nn.Module, rank: int, world: int, scheme: str) -> N
     """Every parameter becomes a NaN-filled plain local buffer with the protocol's attributes:
     its shards stacked along dim 0 in the order :func:`geometry` gives, one padding row after each
     and one padding element beyond the widest shard in every other dim. Tied parameters stay one."""
-    from hp_dcp_hf.layout import keep_shard_geometry, mark_checkpointable
+    from hp_dcp_hf.layout import mark_checkpointable
+    from tests.test_local_shards import replace_parameters
 
-    done: dict[int, torch.nn.Parameter] = {}
-    for module in model.modules():
-        for name, param in list(module._parameters.items()):
-            if param is None:
-                continue
-            if id(param) not in done:
-                shape = tuple(param.shape)
-                shards = [(o, s) for o, s in geometry(shape, rank, world, scheme)]
-                local_offsets, row = [], 0
-                for _, sizes in shards:
-                    local_offsets.append((row, *(0,) * (len(shape) - 1)))
-                    row += sizes[0] + 1
-                rest = [1 + max(s[d] for _, s in shards) for d in range(1, len(shape))]
-                buffer = torch.full((row, *rest), float("nan"), dtype=param.dtype)
-                new = torch.nn.Parameter(buffer, requires_grad=False)
-                mark_checkpointable(new, shape, [o for o, _ in shards], local_offsets, [s for _, s in shards])
-                done[id(param)] = new
-            module._parameters[name] = done[id(param)]
-    keep_shard_geometry(model)
+    def make(param: torch.nn.Parameter) -> torch.nn.Parameter:
+        shape = tuple(param.shape)
+        shards = list(geometry(shape, rank, world, scheme))
+        local_offsets, row = [], 0
+        for _, sizes in shards:
+            local_offsets.append((row, *(0,) * (len(shape) - 1)))
+            row += sizes[0] + 1
+        rest = [1 + max(s[d] for _, s in shards) for d in range(1, len(shape))]
+        new = torch.nn.Parameter(torch.full((row, *rest), float("nan"), dtype=param.dtype), requires_grad=False)
+        mark_checkpointable(new, shape, [o for o, _ in shards], local_offsets, [s for _, s in shards])
+        return new
+
+    replace_parameters(model, make)
 
 
 def _rewrites():
