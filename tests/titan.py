@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 import torch
 
-pytest.importorskip("torchtitan", reason="torchtitan (the [torchtitan] extra) does not import here")
+pytest.importorskip("torchtitan", exc_type=ImportError,
+                    reason=f"torchtitan (the [torchtitan] extra) does not import with torch {torch.__version__}")
 
 DIM, VOCAB, LAYERS = 64, 130, 2  # 130 rows: uneven over 4 ranks (33, 33, 33, 31)
 FAMILIES = ("llama3", "qwen3", "qwen3_moe", "deepseek_v3", "deepseek_v3_q_lora", "gpt_oss")
