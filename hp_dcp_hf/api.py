@@ -121,13 +121,12 @@ def load_hf_checkpoint(
     )
     reader = reader if reader is not None else HFStorageReader(path, **reader_options)
     error: BaseException | None = None
-    left_out: set[str] = set()  # the model's own tensors a given state dict does not ask for
-    if state_dict is None:
-        state_dict = model.state_dict()
-    else:
-        left_out = set(own_state_dict(model)) - set(state_dict)
+    given = state_dict is not None
+    state_dict = state_dict if given else model.state_dict()
     copies = hook_made_entries(model, state_dict, planner.external_target_fqns)
     check = WriteCheck(model) if check_written else None
+    # the model's own tensors a given state dict does not ask for: the load leaves them be
+    left_out = set(own_state_dict(model)) - set(state_dict) if check is not None and given else set()
     try:
         with _quiet_dcp():
             # Each rank plans its own reads from the metadata rank 0 broadcast: nothing to
@@ -249,9 +248,10 @@ def save_hf_checkpoint(
                                        pipeline_stage=pipeline_stage, hf_config=hf_config)
     writer = writer if writer is not None else HFStorageWriter(
         path, max_shard_size=max_shard_size, dtype=dtype, **storage_options)
+    state_dict = model.state_dict() if state_dict is None else state_dict
     try:
         with _quiet_dcp():
-            dcp.save(model.state_dict() if state_dict is None else state_dict, storage_writer=writer, planner=planner, no_dist=not should_broadcast())
+            dcp.save(state_dict, storage_writer=writer, planner=planner, no_dist=not should_broadcast())
     except BaseException as exc:  # noqa: BLE001 - whatever failed, the outcome is what the path holds
         writer.abort()
         error = unwrap_checkpoint_exception(exc) if isinstance(exc, CheckpointException) else exc

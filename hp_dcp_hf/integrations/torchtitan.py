@@ -207,6 +207,11 @@ def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 # -- load and save -----------------------------------------------------------------------------------
 
 
+def _refuse_own_arguments(kwargs: dict[str, Any]) -> None:
+    if "weights_mapping" in kwargs or "state_dict" in kwargs:
+        raise ArgumentError("the torchtitan integration supplies weights_mapping and state_dict itself")
+
+
 def load_hf_checkpoint(model: nn.Module, path: str, **kwargs: Any) -> LoadReport:
     """Load the Hugging Face checkpoint at ``path`` into torchtitan model ``model`` (built, and
     parallelized by torchtitan's parallelize function, or not), in place; every rank calls it.
@@ -217,8 +222,7 @@ def load_hf_checkpoint(model: nn.Module, path: str, **kwargs: Any) -> LoadReport
     """
     from hp_dcp_hf.pipeline import read_config
 
-    if "weights_mapping" in kwargs or "state_dict" in kwargs:
-        raise ArgumentError("the torchtitan integration supplies weights_mapping and state_dict itself")
+    _refuse_own_arguments(kwargs)
     record_fused_qkv(model)
     config = read_config(path, kwargs.get("storage_options"))
     report = _load(model, path, weights_mapping=hf_weights_mapping(model), state_dict=model_tensors(model), **kwargs)
@@ -237,8 +241,7 @@ def save_hf_checkpoint(model: nn.Module, path: str | os.PathLike, *, hf_config: 
     """
     from hp_dcp_hf.pipeline import read_config
 
-    if "weights_mapping" in kwargs or "state_dict" in kwargs:
-        raise ArgumentError("the torchtitan integration supplies weights_mapping and state_dict itself")
+    _refuse_own_arguments(kwargs)
     if isinstance(hf_config, (str, os.PathLike)):
         hf_config = read_config(os.fspath(hf_config))
     hf_config = hf_config if hf_config is not None else getattr(model, _HF_CONFIG, None)

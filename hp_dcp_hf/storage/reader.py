@@ -707,7 +707,8 @@ class _Prefetcher:
     def __init__(self, location: CheckpointLocation, batches: list[list[_Chunk]], gap: int, window: int) -> None:
         self._location, self._batches = location, batches
         self._gap, self._window = gap, window
-        self._done = 0
+        self._done = 0  # bytes of the batches read
+        self._advised = 0  # bytes of the batches advised (by the thread)
         self._stop = False
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="hp-dcp-hf-prefetch", daemon=True)
@@ -715,7 +716,6 @@ class _Prefetcher:
 
     def _run(self) -> None:
         handles: dict[str, RangeFile] = {}
-        self._advised = 0
         try:
             for batch in self._batches:
                 with self._cond:
