@@ -127,3 +127,24 @@ def test_quantized_checkpoints_load_as_their_values(family, tmp_path):
         assert torch.equal(value, own_state_dict(values)[key]), key
         if key in tt.model_tensors(ours):
             assert torch.equal(value, expected[key]), key
+
+
+def test_a_checkpoint_without_config_json_loads_and_its_save_asks_for_hf_config(tmp_path):
+    """The config is only what the save writes back: loading does not need it, and the reader's own
+    options are the ones it is read with."""
+    from hp_dcp_hf import HFStorageReader
+    from hp_dcp_hf.errors import ArgumentError
+    from hp_dcp_hf.integrations import torchtitan as tt
+
+    path = titan.make_checkpoint("llama3", tmp_path / "hf")
+    (path / "config.json").unlink()
+    model = titan.build("llama3", device="cpu")
+    reader = HFStorageReader(str(path), num_threads=2)
+    report = tt.load_hf_checkpoint(model, str(path), reader=reader, unexpected="raise", check_written=True)
+    assert set(report.loaded_keys) == set(tt.model_tensors(model)) and reader.stats.total().bytes_read > 0
+    with pytest.raises(ArgumentError, match="hf_config="):
+        tt.save_hf_checkpoint(model, tmp_path / "out")
+    tt.save_hf_checkpoint(model, tmp_path / "out", hf_config=titan.hf_config("llama3"), max_shard_size="200KB")
+    assert sorted(load_file(tmp_path / "out" / "model-00001-of-00002.safetensors")) == sorted(
+        load_file(path / "model-00001-of-00002.safetensors"))
+

@@ -24,6 +24,7 @@ it, and is not saved.
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 from collections.abc import Callable
@@ -41,10 +42,11 @@ from transformers.core_model_loading import (
 
 from hp_dcp_hf.api import load_hf_checkpoint as _load
 from hp_dcp_hf.api import save_hf_checkpoint as _save
-from hp_dcp_hf.errors import ArgumentError, MappingError
+from hp_dcp_hf.errors import ArgumentError, CheckpointNotFoundError, MappingError
 from hp_dcp_hf.mapping.ops import ConcatenateInGroups, PermuteHeadsForRope
 from hp_dcp_hf.mapping.stages import add_weight_mapping
 from hp_dcp_hf.planner import LoadReport
+from hp_dcp_hf.storage import HFStorageReader
 from hp_dcp_hf.written import own_state_dict
 
 __all__ = ["hf_weights_mapping", "load_hf_checkpoint", "model_tensors", "record_fused_qkv", "save_hf_checkpoint"]
@@ -212,20 +214,29 @@ def _refuse_own_arguments(kwargs: dict[str, Any]) -> None:
         raise ArgumentError("the torchtitan integration supplies weights_mapping and state_dict itself")
 
 
-def load_hf_checkpoint(model: nn.Module, path: str, **kwargs: Any) -> LoadReport:
+def load_hf_checkpoint(model: nn.Module, path: str, *, reader: HFStorageReader | None = None,
+                       **kwargs: Any) -> LoadReport:
     """Load the Hugging Face checkpoint at ``path`` into torchtitan model ``model`` (built, and
     parallelized by torchtitan's parallelize function, or not), in place; every rank calls it.
 
-    ``kwargs`` are :func:`hp_dcp_hf.load_hf_checkpoint`'s (``strict``, ``unexpected``, ``reader``,
-    storage options, ...). The checkpoint's ``config.json`` is kept on the model: a later
-    :func:`save_hf_checkpoint` writes it back.
+    ``kwargs`` are :func:`hp_dcp_hf.load_hf_checkpoint`'s (``strict``, ``unexpected``, storage
+    options, ...). The checkpoint's ``config.json``, read with the reader's storage options, is kept
+    on the model: a later :func:`save_hf_checkpoint` writes it back (a checkpoint without one loads,
+    and its save needs ``hf_config=``).
     """
     from hp_dcp_hf.pipeline import read_config
 
     _refuse_own_arguments(kwargs)
+    if reader is None:  # built here, as hp_dcp_hf.load_hf_checkpoint would, for its storage options
+        own = inspect.signature(_load).parameters
+        reader = HFStorageReader(path, **{k: kwargs.pop(k) for k in list(kwargs) if k not in own})
     record_fused_qkv(model)
-    config = read_config(path, kwargs.get("storage_options"))
-    report = _load(model, path, weights_mapping=hf_weights_mapping(model), state_dict=model_tensors(model), **kwargs)
+    report = _load(model, path, weights_mapping=hf_weights_mapping(model), state_dict=model_tensors(model),
+                   reader=reader, **kwargs)
+    try:
+        config = read_config(path, reader.storage_options)
+    except CheckpointNotFoundError:
+        config = None
     setattr(model, _HF_CONFIG, config)
     return report
 
