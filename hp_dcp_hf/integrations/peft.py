@@ -59,12 +59,10 @@ from hp_dcp_hf.errors import (
     ArgumentError,
     CheckpointFormatError,
     CheckpointNotFoundError,
-    HPDCPHFError,
     LayoutError,
     MappingError,
     MissingKeysError,
     PlanningError,
-    StorageWriteError,
     UnexpectedKeysError,
 )
 from hp_dcp_hf.mapping.families import natural_sorted
@@ -72,7 +70,7 @@ from hp_dcp_hf.planner import HFMappingPlanner, LoadReport, describe_keys
 from hp_dcp_hf.save_planner import HFSavePlanner
 from hp_dcp_hf.storage import HFStorageReader, filesystem, locate
 from hp_dcp_hf.storage.header import MAX_HEADER_BYTES
-from hp_dcp_hf.storage.journal import JOURNAL_FILE, Journal, Step
+from hp_dcp_hf.storage.journal import Journal, Step
 from hp_dcp_hf.storage.writer import HFStorageWriter
 
 __all__ = [
@@ -422,23 +420,12 @@ class AdapterStorageWriter(HFStorageWriter):
         staged, destination = self.staged, self.destination
         destination.check_staged(staged, self.files)
         existing = destination.list_names()
-        texts = {name: raw.decode() for name in self.extra_files if name in existing
-                 and (raw := destination.read_bytes(name)) is not None}
+        texts = destination.published_texts(self.extra_files, existing)
         changed = {name: text for name, text in sorted(self.extra_files.items()) if texts.get(name) != text}
         steps = [Step("remove", ADAPTER_WEIGHTS)] if changed and ADAPTER_WEIGHTS in existing else []
         steps += [Step("write", name, text) for name, text in changed.items()]
         steps.append(Step("commit", staged.names[ADAPTER_WEIGHTS]))
-        journal = Journal(staged.save_id, tuple(steps),
-                          {staged.names[name]: handle for name, handle in staged.handles.items()})
-        destination._journaled = staged.save_id  # its staging is kept from here on (see Destination.abort)
-        destination.write_text(JOURNAL_FILE, journal.to_json())  # the commit point
-        try:
-            destination.roll_forward(journal)
-        except (HPDCPHFError, OSError) as e:
-            raise StorageWriteError(f"publishing save {staged.save_id} stopped after its journal was written ({e}); "
-                                    "the next save into the path or `hp-dcp-hf repair` completes it",
-                                    file=destination.url) from e
-        destination.unlock()
+        destination.carry_out(staged, Journal(staged.save_id, tuple(steps), staged.published_handles()))
         self.staged = None
 
     def saved(self) -> bool:

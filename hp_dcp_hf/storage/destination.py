@@ -25,7 +25,7 @@ import shutil
 import socket
 import struct
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,6 +103,10 @@ class Staged:
     names: dict[str, str]
     handles: dict[str, str]
 
+    def published_handles(self) -> dict[str, str]:
+        """Each staged file's handle by the name it is published under (what a journal records)."""
+        return {self.names[name]: handle for name, handle in self.handles.items()}
+
 
 def index_text(index: Mapping[str, Any]) -> str:
     return json.dumps(index, indent=2, sort_keys=True) + "\n"
@@ -147,15 +151,23 @@ class Destination(ABC):
         :mod:`hp_dcp_hf.storage.journal`) and release the lock."""
         self.check_staged(staged, files)
         existing = self.list_names()
-        texts = {name: raw.decode() for name in extra_files if name in existing
-                 and (raw := self.read_bytes(name)) is not None}
         if index is not None:  # naming the files as published
             index = {**index, "weight_map": {key: staged.names[name] for key, name in index["weight_map"].items()}}
         journal = plan_publish(staged.save_id, [staged.names[f.name] for f in files],
-                               index_text(index) if index is not None else None, extra_files, existing, texts,
-                               {staged.names[name]: handle for name, handle in staged.handles.items()})
+                               index_text(index) if index is not None else None, extra_files, existing,
+                               self.published_texts(extra_files, existing), staged.published_handles())
+        self.carry_out(staged, journal)
+
+    def published_texts(self, names: Iterable[str], existing: Collection[str]) -> dict[str, str]:
+        """The text of each of ``names`` the path holds now (of those in ``existing``)."""
+        return {name: raw.decode() for name in names if name in existing
+                and (raw := self.read_bytes(name)) is not None}
+
+    def carry_out(self, staged: Staged, journal: Journal) -> None:
+        """Write ``journal`` (the commit point: from here on the switch rolls forward), carry it out
+        and release the lock."""
         self._journaled = staged.save_id  # before the write: a journal that landed and then raised needs its staging
-        self.write_text(JOURNAL_FILE, journal.to_json())  # the commit point: from here on, roll forward
+        self.write_text(JOURNAL_FILE, journal.to_json())
         try:
             self.roll_forward(journal)
         except (HPDCPHFError, OSError) as e:
