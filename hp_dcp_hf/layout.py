@@ -143,8 +143,8 @@ def mark_checkpointable(
 ) -> torch.Tensor:
     """Give ``tensor`` (a local buffer, a parameter) the protocol's attributes, checked against its
     shape (a :class:`LayoutError` names the first shard that does not fit); returns ``tensor``."""
-    fields = (tuple(int(s) for s in global_shape), *(tuple(tuple(int(i) for i in entry) for entry in entries)
-                                                     for entries in (global_offsets, local_offsets, local_sizes)))
+    fields = (tuple(int(s) for s in global_shape), _entries(global_offsets), _entries(local_offsets),
+              _entries(local_sizes))
     checkpointable_pieces(*fields, tuple(tensor.shape))
     for name, value in zip(CHECKPOINTABLE_FIELDS, fields, strict=True):
         setattr(tensor, name, value)
