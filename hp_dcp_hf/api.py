@@ -159,7 +159,7 @@ def load_hf_checkpoint(
         logger.warning("%d tensors of %s make no model tensor (UNEXPECTED; unexpected='ignore' silences "
                        "this, 'raise' refuses such loads): %s", len(unused), reader.path, describe_keys(unused))
     phases = {"plan": planner.plan_seconds, **reader.seconds}
-    seconds = {k: phases[k] for k in ("metadata", "plan", "read", "copy", "exchange") if k in phases}  # load order
+    seconds = {k: phases[k] for k in ("metadata", "plan", "spans", "read", "copy", "exchange") if k in phases}  # load order
     return dataclasses.replace(planner.report, seconds=seconds)
 
 

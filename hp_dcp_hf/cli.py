@@ -58,7 +58,7 @@ TRANSFORMS = ("fuse_gate_up", "fuse_qkv", "grouped_gemm_experts")
 """The rewrites of :mod:`hp_dcp_hf.transforms`, listed by ``--help`` without importing them (a test
 checks this list against ``hp_dcp_hf.transforms.__all__``)."""
 
-_PHASES = ("metadata", "plan", "read", "copy", "exchange", "finalize")
+_PHASES = ("metadata", "plan", "spans", "read", "copy", "exchange", "finalize")
 """The phases of a load the ``load`` table shows per rank (0 where a load has none)."""
 
 
@@ -68,7 +68,7 @@ def _transforms(spec: str | None) -> tuple[str, ...]:
 
 def _reader_options(args: argparse.Namespace) -> dict[str, Any]:
     return {"coalesce_gap": args.coalesce_gap, "num_threads": args.threads, "staging_bytes": args.staging_mib * 2**20,
-            "map_local_files": not args.no_map, "replicas": args.replicas, "storage_options": args.storage_options}
+            "map_local_files": not args.no_map, "cooperate": args.cooperate, "storage_options": args.storage_options}
 
 
 # -- storage options ---------------------------------------------------------------------------
@@ -324,12 +324,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
           f"{fmt_bytes(total - needed)} of holes)")
     if result["cooperative"]:
         exchanged = sum(r.bytes_from_peers for r in ranks)
-        print(f"replicas read their shared shards once and exchange {fmt_bytes(exchanged)} "
-              f"({exchanged / checkpoint:.2f}x the checkpoint) over the process group")
-    elif needed > result["checkpoint_bytes"]:  # some bytes are needed by several ranks: replicas
-        print(f"replicas read the same shards ({needed / checkpoint:.2f}x the checkpoint, "
-              f"{fmt_bytes(needed - result['checkpoint_bytes'])} more); --replicas always splits them (the "
-              "default, auto, does on remote stores)")
+        print(f"span ownership: each needed byte is read by one rank, in {sum(r.requests for r in ranks)} requests, "
+              f"and the ranks exchange {fmt_bytes(exchanged)} ({exchanged / checkpoint:.2f}x the checkpoint) over the "
+              "process group")
+    elif needed > result["checkpoint_bytes"]:  # some bytes are needed by several ranks
+        print(f"ranks read the same bytes ({needed / checkpoint:.2f}x the checkpoint, "
+              f"{fmt_bytes(needed - result['checkpoint_bytes'])} more); --cooperate always reads each once (the "
+              "default, auto, does on remote stores and shared file systems)")
     if args.items:
         for r in ranks:
             print(f"rank {r.rank} read items:")
@@ -492,7 +493,8 @@ def _load(args: argparse.Namespace, rank: int, world: int) -> int:
                   f"{r['bytes_read'] / max(r['read_s'], 1e-9) / 1e9:.2f}")
                  for r in rows]))
     print("(bytes needed: what the rank's shards need from the checkpoint; load s: the whole load, its "
-          "metadata, plan, read and exchange phases and the agreement after it; copy s: of read s, the reads' "
+          "metadata, plan, spans (cooperating: every rank's needs gathered, spans planned), read and exchange phases and "
+          "the agreement after it; copy s: of read s, the reads' "
           "wait for copies to CUDA devices; finalize s: the model's init of what the checkpoint lacks, tying; "
           "GB/s: bytes read over read s)")
     if mapped:
@@ -641,8 +643,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="reader: read local files with preadv instead of copying out of a memory mapping")
         p.add_argument("--threads", type=int, default=8, help="reader: reads in flight")
         p.add_argument("--staging-mib", type=int, default=64, help="reader: staging budget in MiB")
-        p.add_argument("--replicas", default="auto", choices=("auto", "always", "never"),
-                       help="reader: replicas split their reads and exchange the slices (auto: on remote stores)")
+        p.add_argument("--cooperate", default="auto", choices=("auto", "always", "never"),
+                       help="reader: span ownership, each needed byte read by one rank and exchanged (auto: on "
+                            "remote stores and shared file systems)")
         p.add_argument("--json", action="store_true", help=json_help)
 
     p = command("plan", "every rank's reads, without a process group or data")

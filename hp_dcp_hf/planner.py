@@ -46,8 +46,6 @@ from hp_dcp_hf.mapping.quantized import (
     uncovered_weight_boxes,
 )
 from hp_dcp_hf.mapping.stages import model_stages, record_checkpoint_mapping, recorded_source_shapes
-from hp_dcp_hf.parallel.cooperation import COOPERATE, ReadProgress, SharedTarget
-from hp_dcp_hf.parallel.replicas import ReplicaGroups
 from hp_dcp_hf.perf import paused_gc
 from hp_dcp_hf.storage.catalog import QUANTIZATION_CONFIG
 
@@ -107,7 +105,8 @@ class LoadReport:
     """Wall time of each phase on this rank: ``metadata`` (headers read, or received from rank 0),
     ``plan``, ``read`` (reads, casts and copies into the shards), with CUDA destinations ``copy``
     (of ``read``, the time the reads waited for copies to the device: the part they did not hide)
-    and, cooperating, ``exchange`` (what the exchange with the replicas took after this rank's reads)."""
+    and, cooperating, ``spans`` (gathering every rank's needs and planning the spans) and ``exchange``
+    (what the exchange of span bytes took after this rank's reads)."""
 
 
 @dataclass
@@ -122,9 +121,6 @@ class PlanStats:
     bytes_by_key: dict[str, int] = field(default_factory=dict)
     quantized_bytes: int = 0  # of bytes_needed: quantized weights, as stored
     scale_bytes: int = 0  # of bytes_needed: the scale blocks that dequantize them
-    shared_targets: int = 0  # targets whose replicas split the reads (cooperative loads)
-    peer_bytes_in: int = 0  # bytes of the replicas' slices this rank receives instead of reading
-    peer_bytes_out: int = 0  # bytes of its own slices this rank sends to its replicas
 
 
 @dataclass
@@ -183,8 +179,6 @@ class HFMappingPlanner(LoadPlanner):
         claimed_source_keys: checkpoint keys another reader consumes (never unexpected).
         composition: the mapping traced already for this model and checkpoint (one process planning
             many ranks of the same model traces it once); by default each plan traces its own.
-        replicas: which ranks hold the same values, for cooperative loads (one process planning
-            many ranks gives each its own); by default the ranks tell each other, collectively.
         trace: read exactly the needed boxes (default). ``False`` is the legacy pattern: read whole
             checkpoint tensors, convert in memory, keep the local part; the reference to compare with.
         share_structure: trace each structurally identical group once (see :class:`Composition`);
@@ -207,12 +201,10 @@ class HFMappingPlanner(LoadPlanner):
         claimed_source_keys: Collection[str] = (),
         trace: bool = True,
         composition: Composition | None = None,
-        replicas: ReplicaGroups | None = None,
         share_structure: bool = True,
     ) -> None:
         self.model = model
         self.share_structure = share_structure
-        self.replicas = replicas
         self.trace = trace
         self.weights_mapping = weights_mapping
         self.config = config if config is not None else getattr(model, "config", None)
@@ -229,8 +221,6 @@ class HFMappingPlanner(LoadPlanner):
         self.composition = composition
         self.filled: tuple[str, ...] = ()  # the state dict keys written (one per tied group)
         self.quantized: dict[str, QuantizedTensor] = {}  # quantized checkpoint tensors read as values
-        self.shared: list[SharedTarget] = []  # cooperative loads: targets whose replicas split the reads
-        self.progress = ReadProgress()  # which shared targets the reads made final (the exchange sends them)
         self._destinations: dict[ReadItem, LocalView] = {}
         self._dequantizations: dict[ReadItem, _Dequantization] = {}
         self._staging: dict[str, torch.Tensor] = {}
@@ -296,7 +286,6 @@ class HFMappingPlanner(LoadPlanner):
         if staging_key == read_item.dest_index.fqn:
             with self._lock:
                 self.touched_targets.add(read_item.dest_index.fqn)
-            self.progress.complete(read_item.dest_index.fqn)
             return
         self._staged(staging_key)
 
@@ -319,11 +308,6 @@ class HFMappingPlanner(LoadPlanner):
     @paused_gc()
     def plan_reads(self, state_dict: Mapping[str, Any], metadata: Metadata) -> list[ReadItem]:
         """Validate everything and return this rank's ReadItems (no byte is read or written)."""
-        planner_data = metadata.planner_data if isinstance(metadata.planner_data, Mapping) else {}
-        # Collective (cooperative loads): first, before any check that may fail on one rank alone.
-        replicas = None
-        if planner_data.get(COOPERATE):
-            replicas = self.replicas or ReplicaGroups.gather(state_dict)
         stored = {
             key: TensorSpec(tuple(md.size), md.properties.dtype)
             for key, md in metadata.state_dict_metadata.items()
@@ -370,7 +354,7 @@ class HFMappingPlanner(LoadPlanner):
             raise UnexpectedKeysError(f"{len(self.reported_unexpected)} checkpoint tensors make no model tensor "
                                       f"(unexpected='raise'): {describe_keys(self.reported_unexpected)}")
         self.report = LoadReport(natural_sorted(loaded), natural_sorted(missing), unused)
-        items = self._make_items(composition, state_dict, fill, stored, sources, replicas)
+        items = self._make_items(composition, state_dict, fill, stored, sources)
         if isinstance(self.model, nn.Module):
             self.model._weight_conversions = composition.used_transforms
             record_checkpoint_mapping(self.model, [t for t in composition.stages[0] if t.was_used()])
@@ -439,21 +423,16 @@ class HFMappingPlanner(LoadPlanner):
             raise MappingError(f"{len(problems)} model tensors do not match the checkpoint:\n  "
                                + "\n  ".join(problems))
 
-    def _make_items(self, composition: Composition, state_dict, fill, stored, sources,
-                    replicas: ReplicaGroups | None) -> list[ReadItem]:
+    def _make_items(self, composition: Composition, state_dict, fill, stored, sources) -> list[ReadItem]:
         """This rank's items. ``sources`` are the tensors the conversions see (quantized ones as
         values), ``stored`` the checkpoint's tensors as stored: bytes are counted in their dtypes (a
         quantized box costs its quantized bytes plus its scales)."""
         items: list[ReadItem] = []
         staged: set[str] = set()
         stats = PlanStats()
-        self.shared = []
-        self.progress = ReadProgress()
         for target in self.filled:
             tensor = state_dict[target]
             pieces = local_shard_pieces(tensor, key=target)
-            if replicas is not None and not isinstance(composition.traced[target], Opaque):
-                pieces = self._share(target, tensor, pieces, replicas, stats)
             if not any(p.global_box.numel for p in pieces):
                 continue
             stats.targets += 1
@@ -477,7 +456,6 @@ class HFMappingPlanner(LoadPlanner):
                         stats.bytes_by_key[part] = stats.bytes_by_key.get(part, 0) + nbytes
                 continue
             local = local_tensor(tensor)
-            first_item = len(items)
             for piece in pieces:
                 for block in read_blocks(traced, piece.global_box, piece.local_offsets):
                     if block.key in self.quantized:
@@ -498,10 +476,6 @@ class HFMappingPlanner(LoadPlanner):
                     items.append(item)
                     nbytes = block.numel * stored[block.key].dtype.itemsize
                     stats.bytes_by_key[block.key] = stats.bytes_by_key.get(block.key, 0) + nbytes
-            if self.shared and self.shared[-1].key == target:  # final after each of its items, or dequantizations
-                made = items[first_item:]
-                self.progress.expect(target, sum(i in self._destinations for i in made)
-                                     + len({id(self._dequantizations[i]) for i in made if i in self._dequantizations}))
         stats.read_items = len(items)
         stats.bytes_needed = sum(stats.bytes_by_key.values())
         self.stats = stats
@@ -509,21 +483,6 @@ class HFMappingPlanner(LoadPlanner):
             logger.warning("%d targets need conversions that cannot be traced; %d bytes are read whole "
                            "and converted in memory", stats.deferred_targets, stats.deferred_bytes)
         return items
-
-    def _share(self, target: str, tensor: torch.Tensor, pieces: tuple[ShardPiece, ...], replicas: ReplicaGroups,
-               stats: PlanStats) -> tuple[ShardPiece, ...]:
-        """The pieces this rank reads of ``target``: its slice when replicas share the reads."""
-        local = local_tensor(tensor)
-        group = replicas.group(tensor, target)
-        if len(group) < 2 or not pieces or not local.is_contiguous() or local.numel() < len(group):
-            return pieces
-        shared = SharedTarget(target, local, group)
-        self.shared.append(shared)
-        mine = shared.slice_bytes(replicas.rank).numel()
-        stats.shared_targets += 1
-        stats.peer_bytes_in += local.numel() * local.element_size() - mine
-        stats.peer_bytes_out += mine * (len(group) - 1)
-        return shared.restrict(pieces, replicas.rank)
 
     def _dequantization_items(self, target: str, local: torch.Tensor, block: ReadBlock) -> list[ReadItem]:
         """The checkpoint boxes that make ``block`` of a quantized tensor (its quantized bytes
@@ -562,8 +521,6 @@ class HFMappingPlanner(LoadPlanner):
             dequantization.parts.clear()
             if not dequantization.staged:
                 self.touched_targets.add(dequantization.target)
-        if not dequantization.staged:
-            self.progress.complete(dequantization.target)
         if dequantization.staged:
             self._staged(dequantization.target)
 

@@ -14,7 +14,6 @@ command functions only, so ``hp-dcp-hf --help`` stays fast.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import math
@@ -32,9 +31,7 @@ import torch
 from hp_dcp_hf.errors import QuantizationError
 from hp_dcp_hf.mapping.families import natural_sorted
 from hp_dcp_hf.model_dtype import AUTO, DtypeSpec, resolve_dtype
-from hp_dcp_hf.parallel.cooperation import COOPERATE
 from hp_dcp_hf.parallel.mesh import DENSE_DIMS, mesh_world_size, parse_mesh
-from hp_dcp_hf.parallel.replicas import ReplicaGroups, mesh_coordinates
 from hp_dcp_hf.storage import INDEX_FILE, HFStorageReader, ReadStats, filesystem, locate, scan
 from hp_dcp_hf.storage.catalog import QUANTIZATION_CONFIG, Catalog
 from hp_dcp_hf.storage.journal import SINGLE_FILE
@@ -272,24 +269,16 @@ def plan_ranks(
     dtype = resolve_dtype(dtype, config, lambda: (md.properties.dtype for md in metadata.state_dict_metadata.values()))
     model_cls = resolve_model_class(config)
     cooperate = reader.cooperates(world)
-    every = None
-    if cooperate:  # the replicas split their reads: every rank's mesh coordinates first
-        metadata.planner_data[COOPERATE] = True
-        every = []
-        for rank in range(world):
-            with _fake_rank(rank, world):
-                model = _rank_model(sizes, config, model_cls, dtype, transforms)[0]
-                every.append(mesh_coordinates(list(model.state_dict().values())))
     ranks: list[RankPlan] = []
+    items_by_rank = []
     layout: list[str] = []
     unused: tuple[str, ...] = ()
     for rank in range(world):
         with _fake_rank(rank, world):
             model, mapping, parallelize = _rank_model(sizes, config, model_cls, dtype, transforms)
-            replicas = ReplicaGroups(rank, world, every) if every is not None else None
-            planner = HFMappingPlanner(model, weights_mapping=mapping, strict=strict, unexpected=unexpected,
-                                       replicas=replicas)
+            planner = HFMappingPlanner(model, weights_mapping=mapping, strict=strict, unexpected=unexpected)
             items = planner.plan_reads(model.state_dict(), metadata)
+            items_by_rank.append(items)
             coordinate = parallelize.coordinate
             layout = parallelize.describe()
             unused = planner.reported_unexpected  # every rank's model uses the same checkpoint tensors
@@ -303,7 +292,6 @@ def plan_ranks(
             requests=len(requests),
             deferred_targets=planner.stats.deferred_targets, deferred_bytes=planner.stats.deferred_bytes,
             quantized_bytes=planner.stats.quantized_bytes, scale_bytes=planner.stats.scale_bytes,
-            bytes_from_peers=planner.stats.peer_bytes_in, bytes_to_peers=planner.stats.peer_bytes_out,
             reads=[(f, r.start, r.end) for f, r in requests],
         )
         per_file: dict[str, dict[str, int]] = defaultdict(lambda: {"bytes": 0, "requests": 0})
@@ -316,6 +304,8 @@ def plan_ranks(
                            "lengths": list(i.lengths), "target": i.dest_index.fqn,
                            "target_offsets": list(i.dest_offsets)} for i in items]
         ranks.append(plan)
+    if cooperate:
+        _plan_cooperation(reader, items_by_rank, ranks)
     checkpoint_bytes = sum(e.nbytes for e in reader.entries.values())
     return {
         "checkpoint": path,
@@ -332,6 +322,22 @@ def plan_ranks(
         "unexpected": list(unused),
         "ranks": ranks,
     }
+
+
+def _plan_cooperation(reader: HFStorageReader, items_by_rank: Sequence[Sequence[Any]], ranks: list[RankPlan]) -> None:
+    """Cooperating, a rank reads the spans it owns (:meth:`HFStorageReader.plan_spans`) and
+    receives from their owners the rest of what it needs: its reads and requests are those."""
+    spans, shares = reader.plan_spans(items_by_rank)
+    for plan, share in zip(ranks, shares, strict=True):
+        plan.bytes_to_read, plan.requests = share.storage_bytes, share.requests
+        plan.bytes_from_peers, plan.bytes_to_peers = share.received, share.sent
+        owned = spans.owned(plan.rank).tolist()
+        plan.reads = [(spans.files[int(spans.file[i])], int(spans.start[i]), int(spans.end[i])) for i in owned]
+        per_file: dict[str, dict[str, int]] = defaultdict(lambda: {"bytes": 0, "requests": 0})
+        for file, start, end in plan.reads:
+            per_file[file]["bytes"] += end - start
+            per_file[file]["requests"] += -(-(end - start) // reader.request_bytes)
+        plan.files = dict(sorted(per_file.items()))
 
 
 @contextmanager
@@ -497,9 +503,7 @@ def progress_planner(show: bool, desc: str = "rank 0 loading", *, shard_bytes: b
                 self.model, weights_mapping=self.weights_mapping, strict=False, unexpected="ignore",
                 external_target_fqns=self.external_target_fqns, claimed_source_keys=self.claimed_source_keys,
             )
-            data = self.metadata.planner_data if isinstance(self.metadata.planner_data, Mapping) else {}
-            alone = dataclasses.replace(self.metadata, planner_data={k: v for k, v in data.items() if k != COOPERATE})
-            planner.plan_reads(self.state_dict, alone)
+            planner.plan_reads(self.state_dict, self.metadata)
             return planner.stats.bytes_needed
 
         def _item_bytes(self, item) -> int:

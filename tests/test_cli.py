@@ -372,7 +372,7 @@ def test_plan_text(capsys, mixtral):
     # the rewritten names are the destinations, the checkpoint's original names the sources
     assert "mlp.experts.w13" in out and "block_sparse_moe.experts.0.w1.weight" in out
     # the closing note: replication and coalescing apart (a memory mapping reads no holes)
-    assert "replicas read the same shards (" in out and "coalescing adds 0 B of holes" in out
+    assert "ranks read the same bytes (" in out and "coalescing adds 0 B of holes" in out
 
 
 def test_plan_closing_note_names_coalescing_holes(capsys, llama):
@@ -384,7 +384,7 @@ def test_plan_closing_note_names_coalescing_holes(capsys, llama):
     holes = sum(r["bytes_to_read"] - r["bytes_needed"] for r in ranks)
     assert holes > 0
     note, replicas = out.strip().splitlines()[-2:]
-    assert note.startswith("all ranks read ") and replicas.startswith("replicas read the same shards (")
+    assert note.startswith("all ranks read ") and replicas.startswith("ranks read the same bytes (")
     assert f"coalescing adds {fmt_bytes(holes)} of holes" in note, note
 
 
@@ -400,8 +400,9 @@ def test_plan_names_the_coordinate_dims_and_speaks_of_replicas_only_where_there_
     assert header.split()[:3] == ["rank", "coord", "(dp_replicate)"]
     _, checkpoint, _ = _run_cli(capsys, "inspect", str(llama.path), "--json")
     replicated = json.loads(checkpoint)["tensor_bytes"]  # both replicas need every byte
-    assert out.splitlines()[-1] == (f"replicas read the same shards (2.00x the checkpoint, {fmt_bytes(replicated)} "
-                                    "more); --replicas always splits them (the default, auto, does on remote stores)")
+    assert out.splitlines()[-1] == (f"ranks read the same bytes (2.00x the checkpoint, {fmt_bytes(replicated)} "
+                                    "more); --cooperate always reads each once (the default, auto, does on remote "
+                                    "stores and shared file systems)")
 
 
 def test_mapped_reads_are_runs_not_requests(capsys, llama):
@@ -504,13 +505,13 @@ def test_load_single_process_json(capsys, llama):
     assert row["missing"] == row["unexpected"] == 0
     assert row["initialized"] == 2  # rotary inv_freq and original_inv_freq
     assert result["logits"]["finite"] and result["logits"]["shape"] == [2, 8, 101]
-    assert list(row["phases"]) == ["metadata", "plan", "read", "copy", "exchange", "finalize"]
+    assert list(row["phases"]) == ["metadata", "plan", "spans", "read", "copy", "exchange", "finalize"]
     assert row["phases"]["copy"] == 0.0  # CPU tensors: nothing is copied to a device
     code, out, err = _run_cli(capsys, "load", str(llama.path))
     assert code == 0, err
     header = next(line for line in out.splitlines() if line.startswith("rank "))
     assert header.split() == ["rank", "bytes", "needed", "bytes", "read", "runs", "load", "s", "metadata", "s",
-                              "plan", "s", "read", "s", "copy", "s", "exchange", "s", "finalize", "s", "GB/s"]
+                              "plan", "s", "spans", "s", "read", "s", "copy", "s", "exchange", "s", "finalize", "s", "GB/s"]
     assert "(runs: contiguous byte runs copied out of the files' memory mappings" in out
     code, out, err = _run_cli(capsys, "load", str(llama.path), "--no-map")
     assert code == 0, err
@@ -672,10 +673,10 @@ def test_load_mesh_larger_than_the_launch_names_torchrun_once(capsys, llama, mon
     assert ("1 process was launched" if world is None else "2 processes were launched") in err
 
 
-def test_plan_with_cooperating_replicas_reads_the_checkpoint_once(capsys, llama):
-    """HSDP: two replicas of every TP shard; cooperating, the ranks read each byte once between them
-    and each receives what its replicas read of its shards."""
-    args = ("plan", str(llama.path), "--mesh", "dp_replicate=2,tp=2", "--replicas")
+def test_plan_with_span_ownership_reads_the_checkpoint_once(capsys, llama):
+    """HSDP x TP: two replicas of every TP shard; cooperating, the ranks read each byte once between
+    them, in spans, and each receives from the spans' owners what it needs of the rest."""
+    args = ("plan", str(llama.path), "--mesh", "dp_replicate=2,tp=2", "--cooperate")
     _, direct, _ = _run_cli(capsys, *args, "never", "--json")
     code, shared, err = _run_cli(capsys, *args, "always", "--json")
     assert code == 0, err
@@ -685,9 +686,13 @@ def test_plan_with_cooperating_replicas_reads_the_checkpoint_once(capsys, llama)
     assert sum(r["bytes_to_read"] for r in direct["ranks"]) >= 2 * checkpoint
     assert sum(r["bytes_to_read"] for r in shared["ranks"]) == checkpoint
     assert sum(r["bytes_from_peers"] for r in shared["ranks"]) == sum(r["bytes_to_peers"] for r in shared["ranks"]) > 0
+    assert [r["bytes_needed"] for r in direct["ranks"]] == [r["bytes_needed"] for r in shared["ranks"]]
+    for rank in shared["ranks"]:  # its spans, file by file
+        assert rank["requests"] == sum(f["requests"] for f in rank["files"].values())
+        assert rank["bytes_to_read"] == sum(f["bytes"] for f in rank["files"].values())
     code, out, err = _run_cli(capsys, *args, "always")
     assert code == 0, err
-    assert "from peers" in out and "replicas read their shared shards once and exchange" in out
+    assert "from peers" in out and "span ownership: each needed byte is read by one rank" in out
 
 
 # -- --unexpected --------------------------------------------------------------------------------

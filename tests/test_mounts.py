@@ -1,5 +1,5 @@
 """Whether a checkpoint's storage is shared with other machines (the cooperation decision of
-``replicas="auto"``): the kernel's mount table read right, and one observation for every rank."""
+``cooperate="auto"``): the kernel's mount table read right, and one observation for every rank."""
 
 from __future__ import annotations
 
@@ -67,10 +67,10 @@ def test_auto_cooperates_on_shared_filesystems_and_reads_node_local_disks_direct
                                                                                    kind, auto):
     monkeypatch.setattr(mounts, "MOUNT_TABLE", _table(checkpoint, str(checkpoint), kind))
     decisions = {}
-    for replicas in ("auto", "always", "never"):
-        reader = HFStorageReader(str(checkpoint), replicas=replicas)
+    for cooperate in ("auto", "always", "never"):
+        reader = HFStorageReader(str(checkpoint), cooperate=cooperate)
         reader.read_metadata()
-        decisions[replicas] = reader.cooperates(4)
+        decisions[cooperate] = reader.cooperates(4)
         assert reader.cooperates(1) is False  # one rank has no replica
     assert decisions == {"auto": auto, "always": True, "never": False}
 

@@ -4,8 +4,7 @@ A DTensor is replicated along its ``Replicate`` mesh dims, and also across every
 the same coordinate on a mesh of the same kind (FSDP's ``dp`` submesh is one of ``tp`` parallel
 copies: those ranks are replicas its placements do not show). Ranks tell each other their
 coordinate on each kind of mesh once (one ``all_gather_object`` of a few small tuples); a plain
-tensor in a process group is held by every rank. A save writes each tensor from one replica; a
-cooperative load reads each replicated byte once.
+tensor in a process group is held by every rank. A save writes each tensor from one replica.
 
 Replicas also hold the same part of the model: pipeline stages lay their layers out on meshes of
 the same kind (each stage's ``dp`` submesh), yet rank 0 of one stage holds none of another stage's
@@ -15,8 +14,8 @@ of one part are replicas of each other.
 Plain local shards (torch's ``CheckpointableTensor`` protocol, :mod:`hp_dcp_hf.layout`) carry no
 mesh: ranks tell each other their shards' geometry instead (each distinct geometry once, then one
 small index per tensor, in name order). A rank whose geometry of a tensor equals this one's is a
-replica of all of it (a cooperative load splits its reads); a shard whose global box several ranks
-list is written by one of them, whatever else each holds.
+replica of all of it; a shard whose global box several ranks list is written by one of them,
+whatever else each holds.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import socket
 import threading
 import time
 import uuid
@@ -46,11 +47,11 @@ from torch.futures import Future
 
 from hp_dcp_hf.box import Box
 from hp_dcp_hf.errors import HPDCPHFError, PlanningError, StorageReadError
-from hp_dcp_hf.parallel.cooperation import COOPERATE, ExchangeStats, ReadProgress, share_slices
 from hp_dcp_hf.perf import paused_gc
 from hp_dcp_hf.storage.broadcast import agree_on_failure, share_from_rank0, should_broadcast
 from hp_dcp_hf.storage.catalog import QUANTIZATION_CONFIG, Catalog, CheckpointTensor, find_files, scan
 from hp_dcp_hf.storage.copy import copy_into
+from hp_dcp_hf.storage.exchange import ExchangeStats, typed
 from hp_dcp_hf.storage.fsspec_backend import DIRECT_IO_ALIGN
 from hp_dcp_hf.storage.header import TensorEntry
 from hp_dcp_hf.storage.location import CheckpointLocation, RangeFile, filesystem, locate
@@ -65,6 +66,8 @@ from hp_dcp_hf.storage.ranges import (
 )
 from hp_dcp_hf.storage.remote import RetryPolicy
 from hp_dcp_hf.storage.ring import Copy, SlotCopier, StagingRing, StagingStats
+from hp_dcp_hf.storage.span_reads import SpanLoad, StoredTable, node_id, read_spans
+from hp_dcp_hf.storage.spans import SPAN_BYTES, SPAN_GAP, ClusterPlan, Traffic, traffic
 from hp_dcp_hf.storage.stats import ReadStats
 
 _ALIGN = 16
@@ -176,12 +179,14 @@ class HFStorageReader(StorageReader):
     them (every rank must then call ``read_metadata``, which ``dcp.load`` does). ``retry``: the
     :class:`~hp_dcp_hf.storage.remote.RetryPolicy` of remote reads, or a dict of its fields.
     ``record_requests``: keep every request issued in ``requests_log`` as ``(file, start, end)``
-    (for pictures of a plan; off by default). ``replicas``: ranks holding the same values (HSDP and
-    data-parallel copies, ``Replicate`` norms and embeddings) split their reads and send each other
-    the slices (:mod:`hp_dcp_hf.parallel.cooperation`; :class:`~hp_dcp_hf.HFMappingPlanner` plans
-    the slices, other planners read everything): ``"always"``, ``"never"``, or ``"auto"`` (the
-    default), on remote stores only, where every byte read costs egress, requests and server load,
-    while local reads cost less than the exchange. ``map_local_files``: copy boxes out of a memory
+    (for pictures of a plan; off by default). ``cooperate``: span ownership
+    (:mod:`hp_dcp_hf.storage.spans`): the ranks read every checkpoint byte any of them needs once
+    between them, in spans of at least ``span_bytes`` each owned by one rank (balanced by bytes,
+    preferring a rank on a ``node`` that needs it; ``node`` defaults to the host name), and send
+    each other the raw bytes each needs: ``"always"``, ``"never"``, or ``"auto"`` (the default):
+    on storage other machines share (remote stores, network, cluster and FUSE file systems), where
+    every byte read costs egress, requests and server load, not on a node's own disk, whose page
+    cache already serves its ranks one copy. ``map_local_files``: copy boxes out of a memory
     mapping of local files (the fast path, and ``coalesce_gap`` does not apply: only needed bytes
     are copied); ``False`` reads them with ``os.preadv`` instead, which is slower on row-sharded
     layouts but turns a disk error or a file truncated during the read into
@@ -218,15 +223,21 @@ class HFStorageReader(StorageReader):
         retry: RetryPolicy | Mapping[str, Any] | None = None,
         record_requests: bool = False,
         map_local_files: bool = True,
-        replicas: Literal["auto", "always", "never"] = "auto",
+        cooperate: Literal["auto", "always", "never"] = "auto",
+        span_bytes: int = SPAN_BYTES,
+        node: str | None = None,
         prefetch: bool = False,
         direct_io: bool = False,
         **fs_kwargs: Any,
     ) -> None:
         super().__init__()
-        if replicas not in ("auto", "always", "never"):
-            raise ValueError(f"replicas must be 'auto', 'always' or 'never', got {replicas!r}")
-        self.replicas = replicas
+        if cooperate not in ("auto", "always", "never"):
+            raise ValueError(f"cooperate must be 'auto', 'always' or 'never', got {cooperate!r}")
+        if span_bytes < 1:
+            raise ValueError(f"span_bytes must be positive, got {span_bytes}")
+        self.cooperate = cooperate
+        self.span_bytes = span_bytes
+        self.node = node if node is not None else socket.gethostname()
         self.record_requests = record_requests
         self.map_local_files = map_local_files
         self.prefetch = prefetch
@@ -259,6 +270,7 @@ class HFStorageReader(StorageReader):
         self.seconds: dict[str, float] = {}  # wall time of this load's phases (see LoadReport.seconds)
         self.cooperating = False
         self.exchange = ExchangeStats()
+        self.spans: SpanLoad | None = None  # a cooperative load's cluster plan and this rank's part
         self.requests_log: list[tuple[str, int, int]] = []
         self.staging = StagingStats()  # what went through the staging ring in the last read_data
         self._location: CheckpointLocation | None = None
@@ -307,18 +319,23 @@ class HFStorageReader(StorageReader):
         return share - share % _ALIGN
 
     @property
+    def request_bytes(self) -> int:
+        """The largest request of a cooperative load's span reads: a batch's bytes."""
+        return self._batch_bytes
+
+    @property
     def _batch_workers(self) -> int:
         """Batches read at once: as many as ``staging_bytes`` holds, at most ``num_threads``."""
         return max(1, min(self.num_threads, self.staging_bytes // self._batch_bytes))
 
     def cooperates(self, world_size: int) -> bool:
-        """Whether replicas split their reads in a load on ``world_size`` ranks: with
-        ``replicas="auto"``, on storage other machines share (remote stores, network, cluster and
+        """Whether the ranks of a load on ``world_size`` ranks share their reads: with
+        ``cooperate="auto"``, on storage other machines share (remote stores, network, cluster and
         FUSE file systems), not on a node's own disk (its reads cost less than the exchange). Every
         rank decides from what the scanning rank saw (``Catalog.shared``): the same on all."""
-        if world_size < 2 or self.replicas == "never" or self._location is None:
+        if world_size < 2 or self.cooperate == "never" or self._location is None:
             return False
-        return self.replicas == "always" or self._shared
+        return self.cooperate == "always" or self._shared
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
@@ -385,8 +402,7 @@ class HFStorageReader(StorageReader):
         return Metadata(
             state_dict_metadata=state_dict_metadata,
             # The planner needs it to read quantized tensors as their values (see mapping.quantized).
-            # Whether replicas split their reads (the planner then plans one slice of each).
-            planner_data={QUANTIZATION_CONFIG: catalog.quantization_config, COOPERATE: self.cooperating},
+            planner_data={QUANTIZATION_CONFIG: catalog.quantization_config},
             storage_data=storage_data,
             storage_meta=StorageMeta(checkpoint_id=self.path, load_id=self.load_id),
         )
@@ -408,59 +424,81 @@ class HFStorageReader(StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Read every item of ``plan`` into ``planner.resolve_tensor(item)``, then commit it."""
         start = time.perf_counter()
-        self.seconds.pop("exchange", None)
-        self.seconds.pop("copy", None)
+        for phase in ("spans", "exchange", "copy"):
+            self.seconds.pop(phase, None)
         try:
             with paused_gc():
                 if not self.cooperating:
                     return self._read_data(plan, planner)
                 return self._read_cooperatively(plan, planner)
         finally:
-            self.seconds["read"] = time.perf_counter() - start - self.seconds.get("exchange", 0.0)
+            apart = self.seconds.get("spans", 0.0) + self.seconds.get("exchange", 0.0)
+            self.seconds["read"] = time.perf_counter() - start - apart
 
     def _read_cooperatively(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        """Read this rank's slices while a thread exchanges them with the replicas as they become
-        final (:mod:`hp_dcp_hf.parallel.cooperation`). Every rank raises the same error when one
+        """Span ownership (:mod:`hp_dcp_hf.storage.span_reads`): this rank reads the spans it owns
+        and the ranks exchange the raw bytes each needs. Every rank raises the same error when one
         fails, marked ``agreed`` (no rank needs to agree on it again)."""
+        assert self._location is not None
+        error: BaseException | None = None
+        chunks: list[_Chunk] = []
+        try:
+            dests = [self._resolve(item, planner) for item in plan.items]
+            chunks = self._span_chunks(plan.items, dests)
+        except Exception as e:  # noqa: BLE001 - agreed on before any collective of the exchange
+            error = e
         # Every rank planned before any exchanges: a rank whose planning failed is agreeing on its
         # error in load_hf_checkpoint, and this matches that collective.
-        planned = agree_on_failure(None)
-        if planned is not None:
-            planned.agreed = True  # type: ignore[attr-defined]
-            raise planned
-        shared = getattr(planner, "shared", ())
-        progress = getattr(planner, "progress", None) or ReadProgress()
-        outcome: dict[str, Any] = {}
+        error = agree_on_failure(error)
+        if error is None:
+            remaining: dict[int, int] = defaultdict(int)
+            for chunk in chunks:
+                remaining[chunk.item] += 1
+            for index, item in enumerate(plan.items):
+                if not remaining[index]:
+                    planner.commit_tensor(item, dests[index])
+            lock = threading.Lock()
 
-        def exchange() -> None:
+            def finished(index: int) -> None:
+                item = chunks[index].item
+                with lock:
+                    remaining[item] -= 1
+                    done = not remaining[item]
+                if done:
+                    planner.commit_tensor(plan.items[item], dests[item])
+
             try:
-                outcome["stats"] = share_slices(shared, self.staging_bytes, progress)
-            except BaseException as e:  # noqa: BLE001 - agreed on below
-                outcome["error"] = e
-
-        thread = threading.Thread(target=exchange, name="hp-dcp-hf-exchange", daemon=True)
-        thread.start()
-        error: BaseException | None = None
-        try:
-            self._read_data(plan, planner).wait()
-        except Exception as e:  # noqa: BLE001 - every rank learns of it below
-            error = e
-        finally:
-            progress.finish(error)
-            reads_done = time.perf_counter()
-            thread.join()
-        error = agree_on_failure(error or outcome.get("error"))
-        self.seconds["exchange"] = time.perf_counter() - reads_done
-        self.exchange = outcome.get("stats", ExchangeStats())
-        touched = getattr(planner, "touched_targets", None)
-        if touched is not None:
-            touched.update(t.key for t in shared)
+                load = read_spans(
+                    location=self._location, table=StoredTable.of(self.entries), chunks=chunks,
+                    byte_view=lambda t: t.reshape(-1).view(torch.uint8), finished=finished,
+                    gap=self._span_gap, span_bytes=self.span_bytes, request_bytes=self.request_bytes,
+                    threads=self.num_threads, budget=self.staging_bytes, node=self.node, stats=self.stats,
+                    log=(lambda f, s, e: self.requests_log.append((f, s, e))) if self.record_requests else None,
+                    direct_io=self.direct_io,
+                )
+                self.spans, self.exchange = load, load.exchange
+                self.seconds.update(load.seconds)
+            except Exception as e:  # noqa: BLE001 - every rank learns of it below
+                error = e
+            try:
+                error = agree_on_failure(error)
+            except Exception as e:  # noqa: BLE001 - a rank left: this rank's own error, or the lost agreement
+                error = error or typed(e, "agreeing on the load's outcome failed (did a rank leave the load?): ")
         if error is not None:
             error.agreed = True  # type: ignore[attr-defined]
             raise error
         future: Future[None] = Future()
         future.set_result(None)
         return future
+
+    @property
+    def _span_gap(self) -> int:
+        """Holes nobody needs that a span may bridge: the given ``coalesce_gap`` (at most a span),
+        else none on local files and :data:`SPAN_GAP` on remote stores."""
+        if self.coalesce_gap is not None:
+            return min(self.coalesce_gap, self.span_bytes)
+        assert self._location is not None
+        return 0 if self._location.backend.local else SPAN_GAP
 
     def _read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         if self._location is None:
@@ -541,6 +579,26 @@ class HFStorageReader(StorageReader):
             for batch in _batches(chunks, self._batch_bytes)
             for request in coalesce(_pieces(batch), self._gap)
         ]
+
+    def plan_spans(
+        self, items_by_rank: Sequence[Sequence[ReadItem]], nodes: Sequence[str] | None = None
+    ) -> tuple[ClusterPlan, list[Traffic]]:
+        """The span ownership of a cooperative load whose ranks plan ``items_by_rank`` (on
+        ``nodes``, default one node each), and each rank's :class:`Traffic`, without any I/O:
+        the plan a cooperative ``read_data`` builds, for the CLI's ``plan`` and the simulation."""
+        table = StoredTable.of(self.entries)
+        tensors = table.tensors
+        needs = [[table.need(c) for c in self._span_chunks(items, [torch.empty(tuple(i.lengths), device="meta")
+                                                                   for i in items])]
+                 for items in items_by_rank]
+        node_ids = [node_id(n) for n in nodes] if nodes is not None else None
+        plan = ClusterPlan.build(tensors, needs, table.files, nodes=node_ids, gap=self._span_gap,
+                                 span_bytes=self.span_bytes)
+        return plan, traffic(plan, tensors, needs, self.request_bytes)
+
+    def _span_chunks(self, items: Sequence[ReadItem], dests: Sequence[torch.Tensor]) -> list[_Chunk]:
+        """The chunks of a cooperative read, in the order its needs are told: by file and first byte."""
+        return sorted(self._all_chunks(items, dests), key=lambda c: (c.entry.file, c.span[0]))
 
     def _all_chunks(self, items: Sequence[ReadItem], dests: Sequence[torch.Tensor]) -> list[_Chunk]:
         budget = self._batch_bytes

@@ -1,50 +1,69 @@
-"""Cooperative loads on 4 gloo ranks: replicas read each shared byte once and send each other their
-slices; the parameters are bit-identical to the direct load and to transformers.
+"""Span ownership on 4 gloo ranks: every needed checkpoint byte is read by one rank, and the ranks
+exchange the raw bytes each needs; the parameters are bit-identical to the direct load and to
+transformers.
 
-Layouts: ``dp=2,tp=2`` (FSDP2 over TP: ``_StridedShard`` weights are unique to a rank, the norms
-are replicated over ``tp``), ``dp_replicate=2,tp=2`` (HSDP: two replicas of every TP shard, the
-norms on all four ranks) and the MoE with rewrites. Over the ranks, the bytes read from storage
-equal the checkpoint's tensor bytes exactly (``coalesce_gap=0``: each needed byte once; every
-tensor is needed); each rank receives exactly the slices it planned not to read. A rank failing
-mid-read or mid-exchange makes every rank raise the same typed error.
+Layouts: ``dp=2,tp=2`` (FSDP2 over TP: ``_StridedShard`` rows, norms replicated over ``tp``),
+``dp_replicate=2,tp=2`` (HSDP x TP: two replicas of every row- and column-parallel shard), ``ep=4``
+(experts split over the ranks), the MoE with rewrites (fused qkv, stacked experts), all from bf16
+checkpoints into float32 models, and an FP8 block-scaled checkpoint dequantized on the receiving
+ranks. Small spans (``span_bytes=4096``) make every rank an owner; the defaults are checked too,
+on local files and on the test S3 and HTTP servers, by their own logs. A read failing on one
+owner, the exchange failing, and a rank dying mid-exchange make every rank raise a typed error.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from hp_dcp_hf.launch import run_ranks
+from hp_dcp_hf.launch import _context, free_port, run_ranks
+from tests.families import family_model_class, load_family_reference
 from tests.models import load_reference
+from tests.quantized import make_fp8_checkpoint
 
-CASES = {  # name -> (checkpoint, transforms, mesh)
-    "llama-fsdp-tp": ("llama", (), "dp=2,tp=2"),
-    "llama-hsdp": ("llama", (), "dp_replicate=2,tp=2"),
-    "mixtral-hsdp-rewritten": ("mixtral", ("fuse_qkv", "grouped_gemm_experts"), "dp_replicate=2,tp=2"),
+CASES = {  # name -> (checkpoint, transforms, mesh, reader options)
+    "llama-fsdp-tp": ("llama", (), "dp=2,tp=2", {"span_bytes": 4096}),
+    "llama-hsdp-tp": ("llama", (), "dp_replicate=2,tp=2", {"span_bytes": 4096}),
+    "llama-hsdp-tp-defaults": ("llama", (), "dp_replicate=2,tp=2", {}),
+    "mixtral-ep": ("mixtral", (), "ep=4", {"span_bytes": 4096}),
+    "mixtral-hsdp-rewritten": ("mixtral", ("fuse_qkv", "grouped_gemm_experts"), "dp_replicate=2,tp=2",
+                               {"span_bytes": 4096}),
+    "deepseek-fp8-fsdp-tp": ("fp8", (), "dp=2,tp=2", {"span_bytes": 4096}),
 }
 
 
-def _load(rank: int, world: int, paths: dict[str, str]) -> dict:
-    from torch.distributed.tensor import DTensor
+def _full(state: dict) -> dict:
+    return {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in state.items()}
 
+
+def _load(rank: int, world: int, paths: dict) -> dict:
     from hp_dcp_hf import HFStorageReader
     from hp_dcp_hf.pipeline import from_pretrained
 
     out = {}
-    for name, (checkpoint, transforms, mesh) in CASES.items():
+    for name, (checkpoint, transforms, mesh, options) in CASES.items():
+        fp8 = checkpoint == "fp8"
+        extra = {"model_cls": family_model_class("deepseek_v3"), "dtype": torch.bfloat16} if fp8 else {
+            "dtype": torch.float32}
         states, stats = {}, {}
         for mode in ("never", "always"):
-            reader = HFStorageReader(paths[checkpoint], replicas=mode, coalesce_gap=0)
-            model, report = from_pretrained(paths[checkpoint], dtype=torch.float32, distributed_config=mesh, transforms=transforms,
-                                            reader=reader)
-            states[mode] = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
+            reader = HFStorageReader(paths[checkpoint], cooperate=mode, **options)
+            model, report = from_pretrained(paths[checkpoint], distributed_config=mesh, transforms=transforms,
+                                            reader=reader, **extra)
+            states[mode] = _full(model.state_dict())
             stats[mode] = {"read": reader.stats.total().bytes_read, "cooperating": reader.cooperating,
-                           "phases": [k for k in report.seconds if k in ("metadata", "plan", "read", "exchange")],
-                           "received": reader.exchange.bytes_received, "sent": reader.exchange.bytes_sent,
-                           "planned_in": report.plan.peer_bytes_in, "planned_out": report.plan.peer_bytes_out,
-                           "shared": report.plan.shared_targets}
+                           "phases": [k for k in report.seconds if k in ("metadata", "plan", "spans", "read",
+                                                                          "exchange")],
+                           "needed": report.plan.bytes_needed, "received": reader.exchange.bytes_received,
+                           "sent": reader.exchange.bytes_sent,
+                           "own": reader.spans.own_bytes if reader.spans else None,
+                           "storage": reader.spans.storage_bytes if reader.spans else None,
+                           "spans": len(reader.spans.plan) if reader.spans else None}
         out[name] = {"stats": stats, "same": all(torch.equal(states["never"][k], v) for k, v in states["always"].items()),
                      "state": states["always"] if rank == 0 else None}
     out["remote"] = _remote(rank, paths)
@@ -53,9 +72,7 @@ def _load(rank: int, world: int, paths: dict[str, str]) -> dict:
 
 
 def _remote(rank: int, paths: dict[str, str]) -> dict:
-    """The HSDP llama from S3 and HTTP with the default ``replicas="auto"``: cooperative there."""
-    from torch.distributed.tensor import DTensor
-
+    """The HSDP llama from S3 and HTTP with the default ``cooperate="auto"`` and default spans."""
     from hp_dcp_hf import HFStorageReader
     from hp_dcp_hf.pipeline import from_pretrained
 
@@ -63,43 +80,50 @@ def _remote(rank: int, paths: dict[str, str]) -> dict:
     for name, options in (("s3", {"storage_options": {**paths["s3_options"], "config_kwargs": {
                                "user_agent_extra": f"rank/{rank}"}}}),
                           ("http", {"headers": {"User-Agent": f"rank/{rank}"}})):
-        reader = HFStorageReader(paths[name], coalesce_gap=0, **options)
-        model, _ = from_pretrained(paths[name], dtype=torch.float32, distributed_config="dp_replicate=2,tp=2", reader=reader)
+        reader = HFStorageReader(paths[name], **options)
+        model, report = from_pretrained(paths[name], dtype=torch.float32, distributed_config="dp_replicate=2,tp=2",
+                                        reader=reader)
         total = reader.stats.total()
-        state = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}  # collective
-        out[name] = {"cooperating": reader.cooperating, "read": total.bytes_read,
-                     "requests": total.requests, "state": state if rank == 0 else None}
+        state = _full(model.state_dict())  # collective
+        out[name] = {"cooperating": reader.cooperating, "read": total.bytes_read, "requests": total.requests,
+                     "needed": report.plan.bytes_needed, "own": reader.spans.own_bytes,
+                     "received": reader.exchange.bytes_received, "state": state if rank == 0 else None}
     return out
 
 
 def _failures(rank: int, path: str) -> dict[str, str]:
-    """Rank 3's planning fails (after the replicas found each other), then rank 2's read, then rank
-    1's exchange: what every rank raises."""
+    """Rank 3's planning fails, then rank 2's reads of its spans, then rank 1's exchange: what every
+    rank raises, and whether its model is as it was (never half loaded)."""
     from hp_dcp_hf import HFMappingPlanner, HFStorageReader
     from hp_dcp_hf.errors import MappingError, StorageReadError
-    from hp_dcp_hf.parallel import cooperation
     from hp_dcp_hf.pipeline import from_pretrained
+    from hp_dcp_hf.storage import exchange, fsspec_backend
 
     def plan_fails(self, *args):
         raise MappingError("injected planning failure")
 
-    def read_fails(self, plan, planner):
-        raise StorageReadError("injected read failure", file="model.safetensors")
+    read_into = fsspec_backend._LocalFile.read_into
 
-    def take_fails(self, nbytes):
+    def read_fails(self, start, buffers):  # tensor data only: config.json reads as before
+        if self.file.endswith(".safetensors"):
+            raise StorageReadError("injected read failure", file=self.file)
+        read_into(self, start, buffers)
+
+    def take_fails(self, out, nbytes):
         raise RuntimeError("injected exchange failure")
 
     outcomes = {}
     for name, rank_failing, cls, method, broken in (
         ("plan", 3, HFMappingPlanner, "_validate", plan_fails),
-        ("read", 2, HFStorageReader, "_read_data", read_fails),
-        ("exchange", 1, cooperation._Stream, "take", take_fails),
+        ("read", 2, fsspec_backend._LocalFile, "read_into", read_fails),
+        ("exchange", 1, exchange.Stream, "take_into", take_fails),
     ):
         real = getattr(cls, method)
         if rank == rank_failing:
             setattr(cls, method, broken)
         try:
-            from_pretrained(path, dtype=torch.float32, distributed_config="dp_replicate=2,tp=2", reader=HFStorageReader(path, replicas="always"))
+            reader = HFStorageReader(path, cooperate="always", span_bytes=4096)
+            from_pretrained(path, dtype=torch.float32, distributed_config="dp_replicate=2,tp=2", reader=reader)
             outcomes[name] = "loaded"
         except Exception as e:  # noqa: BLE001 - the test checks the type
             outcomes[name] = f"{type(e).__name__}: {e}"
@@ -115,13 +139,14 @@ def run(tiny_checkpoints, tmp_path_factory):
 
     llama = tiny_checkpoints("llama", torch.bfloat16, intermediate_size=42)
     mixtral = tiny_checkpoints("mixtral", torch.bfloat16, intermediate_size=48)
+    fp8 = make_fp8_checkpoint("deepseek_v3", tmp_path_factory.mktemp("fp8"))
     moto = MotoS3(tmp_path_factory.mktemp("moto") / "recording.jsonl")
     http = StaticRangeServer(llama.path)
     try:
         moto.create_bucket("cooperation")
         moto.upload_dir(llama.path, "cooperation", "llama")
-        paths = {"llama": str(llama.path), "mixtral": str(mixtral.path), "s3": "s3://cooperation/llama",
-                 "s3_options": moto.storage_options(), "http": http.url}
+        paths = {"llama": str(llama.path), "mixtral": str(mixtral.path), "fp8": str(fp8.path),
+                 "s3": "s3://cooperation/llama", "s3_options": moto.storage_options(), "http": http.url}
         moto.start_recording()
         per_rank = run_ranks(4, _load, paths, timeout=400)
         moto.stop_recording()
@@ -129,7 +154,7 @@ def run(tiny_checkpoints, tmp_path_factory):
     finally:
         moto.stop()
         http.stop()
-    return per_rank, paths, logs
+    return per_rank, paths, logs, fp8
 
 
 def _tensor_bytes(path: str) -> int:
@@ -142,57 +167,72 @@ def _tensor_bytes(path: str) -> int:
     return total
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_replicas_read_each_byte_once_and_load_the_same_values(run, case):
-    per_rank, paths, _ = run
+def _reference(case: str, paths: dict, fp8) -> dict[str, torch.Tensor]:
     checkpoint = CASES[case][0]
+    if checkpoint == "fp8":
+        return load_family_reference(fp8.twin, "deepseek_v3", torch.bfloat16)
+    return load_reference(paths[checkpoint], checkpoint, torch.float32)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_each_needed_byte_is_read_once_and_the_values_are_the_direct_loads(run, case):
+    per_rank, paths, _, fp8 = run
+    checkpoint, transforms = CASES[case][:2]
     results = [r[case] for r in per_rank]
     assert all(r["same"] for r in results)  # bit-identical to the direct load on every rank
-    reference = load_reference(paths[checkpoint], checkpoint, torch.float32)
+    reference = _reference(case, paths, fp8)
     state = results[0]["state"]
     compared = [key for key in state if key in reference]  # rewritten ones: equal to the direct load above
-    assert len(compared) >= len(state) // 2
-    for key in compared:
-        assert torch.equal(state[key], reference[key]), key
+    assert len(compared) == len(state) if not transforms else len(compared) >= len(state) // 2
+    assert not [key for key in compared if not torch.equal(state[key], reference[key])]
     direct = [r["stats"]["never"] for r in results]
     shared = [r["stats"]["always"] for r in results]
     assert not any(s["cooperating"] for s in direct) and all(s["cooperating"] for s in shared)
     assert all(s["phases"] == ["metadata", "plan", "read"] for s in direct), [s["phases"] for s in direct]
-    assert all(s["phases"] == ["metadata", "plan", "read", "exchange"] for s in shared)
-    assert sum(s["read"] for s in shared) == _tensor_bytes(paths[checkpoint])  # each byte once
-    assert sum(s["read"] for s in direct) > sum(s["read"] for s in shared)
-    for s in shared:  # each rank receives exactly the slices it did not read, and sends its own
-        assert s["shared"] > 0 and s["received"] == s["planned_in"] and s["sent"] == s["planned_out"]
+    assert all(s["phases"] == ["metadata", "plan", "spans", "read", "exchange"] for s in shared)
+    # Every tensor is needed by some rank: over the cluster, each tensor byte is read exactly once.
+    assert sum(s["read"] for s in shared) == sum(s["storage"] for s in shared) == _tensor_bytes(paths[checkpoint])
+    if "tp" in CASES[case][2]:  # replicated norms (and HSDP copies): direct reads read them on several ranks
+        assert sum(s["read"] for s in direct) > sum(s["read"] for s in shared)
+    else:  # FSDP and EP alone: every byte is some one rank's, as direct reads have it already
+        assert sum(s["read"] for s in direct) == sum(s["read"] for s in shared)
+    for s in shared:  # a rank receives exactly the bytes it needs and did not read itself
+        assert s["received"] + s["own"] == s["needed"] and s["own"] <= s["storage"]
     assert sum(s["sent"] for s in shared) == sum(s["received"] for s in shared)
+    if "span_bytes" in CASES[case][3]:
+        assert all(s["storage"] > 0 for s in shared)  # small spans: every rank owns some
+        assert all(s["spans"] >= 8 for s in shared)
 
 
 @pytest.mark.parametrize("store", ["s3", "http"])
 def test_remote_servers_serve_each_needed_byte_once(run, store):
     """From the servers' own logs: the GETs of tensor data (those past each file's header) add up to
     the checkpoint's tensor bytes once, and the loads equal transformers'."""
-    per_rank, paths, logs = run
+    per_rank, paths, logs, _ = run
     results = [r["remote"][store] for r in per_rank]
-    assert all(r["cooperating"] for r in results)
+    assert all(r["cooperating"] for r in results)  # the default, auto, cooperates on remote stores
     data_start = {f"/{f.name}": 8 + int.from_bytes(f.read_bytes()[:8], "little")
                   for f in Path(paths["llama"]).glob("*.safetensors")}
     if store == "s3":
-        spans = [(r.path.rsplit("/", 1)[-1], int(r.range.split("=")[1].split("-")[0]), r.nbytes)
-                 for r in logs["s3"] if r.method == "GET" and r.path.endswith(".safetensors")]
+        gets = [(r.path.rsplit("/", 1)[-1], int(r.range.split("=")[1].split("-")[0]), r.nbytes)
+                for r in logs["s3"] if r.method == "GET" and r.path.endswith(".safetensors")]
     else:
-        spans = [(r.path.rsplit("/", 1)[-1], r.span[0], r.body_bytes)
-                 for r in logs["http"] if r.method == "GET" and r.path.endswith(".safetensors")]
-    data = [nbytes for file, start, nbytes in spans if start >= data_start[f"/{file}"]]  # not header reads
+        gets = [(r.path.rsplit("/", 1)[-1], r.span[0], r.body_bytes)
+                for r in logs["http"] if r.method == "GET" and r.path.endswith(".safetensors")]
+    data = [nbytes for file, start, nbytes in gets if start >= data_start[f"/{file}"]]  # not header reads
     tensor_bytes = _tensor_bytes(paths["llama"])
     assert sum(r["read"] for r in results) == tensor_bytes  # each byte once over the cluster
     assert sum(data) == tensor_bytes  # the server agrees
     assert len(data) == sum(r["requests"] for r in results)
+    for r in results:
+        assert r["received"] + r["own"] == r["needed"]
     reference = load_reference(paths["llama"], "llama", torch.float32)
     for key, value in results[0]["state"].items():
         assert torch.equal(value, reference[key]), key
 
 
 def test_a_rank_failing_to_plan_or_mid_read_or_mid_exchange_fails_every_rank_with_its_error(run):
-    per_rank, _, _ = run
+    per_rank = run[0]
     outcomes = [r["failures"] for r in per_rank]
     assert all(o["plan"].startswith("MappingError") and "injected planning failure" in o["plan"] for o in outcomes)
     assert all(o["read"].startswith("StorageReadError") and "injected read failure" in o["read"] for o in outcomes)
@@ -200,46 +240,92 @@ def test_a_rank_failing_to_plan_or_mid_read_or_mid_exchange_fails_every_rank_wit
                for o in outcomes), outcomes
 
 
+def _dying_rank(rank: int, world: int, port: int, path: str, out: str) -> None:
+    """Rank 3 dies (``os._exit``) as the first bytes reach it; the others write what they raised."""
+    import torch.distributed as dist
+
+    from hp_dcp_hf import HFStorageReader
+    from hp_dcp_hf.pipeline import from_pretrained
+    from hp_dcp_hf.storage import exchange
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    if rank == 3:
+        put = exchange.Stream.put
+
+        def die(self, data):
+            if data.numel():
+                os._exit(3)
+            put(self, data)
+
+        exchange.Stream.put = die
+    start = time.monotonic()
+    try:
+        from_pretrained(path, dtype=torch.float32, distributed_config="dp_replicate=2,tp=2",
+                        reader=HFStorageReader(path, cooperate="always", span_bytes=4096))
+        outcome = "loaded"
+    except Exception as e:  # noqa: BLE001 - the test checks the type
+        outcome = f"{type(e).__name__}: {e}"
+    Path(out, f"{rank}.json").write_text(json.dumps({"outcome": outcome, "seconds": time.monotonic() - start}))
+    os._exit(0)  # the group cannot be torn down with a peer gone
+
+
+def test_a_rank_dying_mid_exchange_fails_every_other_rank_with_a_typed_error(tiny_checkpoints, tmp_path):
+    llama = tiny_checkpoints("llama", torch.bfloat16, intermediate_size=42)
+    ctx, port = _context(), free_port()
+    procs = [ctx.Process(target=_dying_rank, args=(rank, 4, port, str(llama.path), str(tmp_path)))
+             for rank in range(4)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(timeout=180)  # a bound against a hang
+    alive = [rank for rank, proc in enumerate(procs) if proc.is_alive()]
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+    assert not alive, f"ranks {alive} hung after rank 3 died"
+    assert [p.exitcode for p in procs] == [0, 0, 0, 3]
+    outcomes = [json.loads(Path(tmp_path, f"{rank}.json").read_text())["outcome"] for rank in range(3)]
+    assert all(o.startswith("StorageReadError") and "did a rank leave the load?" in o for o in outcomes), outcomes
+
+
 def _overlap(rank: int, world: int) -> dict:
-    """Two shared tensors; this rank's reads finish ``a`` first and ``b`` only once the replica's
-    slice of ``a`` has arrived: the exchange must send finished tensors while reads go on."""
+    """Two spans per rank; this rank reads span 0 first and span 1 only once the peer's bytes of
+    span 0 have arrived: the exchange must send what is read while the reads go on."""
     import threading
-    import time
 
-    from hp_dcp_hf.parallel.cooperation import ReadProgress, SharedTarget, share_slices
+    from hp_dcp_hf.storage.exchange import ReadProgress, Region, Stream, exchange
 
-    tensors = {key: torch.full((6, 5), -1.0) for key in ("a", "b")}
-    targets = [SharedTarget(key, t, (0, 1)) for key, t in tensors.items()]
-    progress = ReadProgress()
-    for target in targets:
-        progress.expect(target.key, 1)
-        target.local.view(-1)[slice(*target.elements(rank))] = rank + (10 if target.key == "b" else 0)
-    outcome = {}
-    thread = threading.Thread(target=lambda: outcome.update(stats=share_slices(targets, 2**20, progress)))
-    thread.start()
-    progress.complete("a")
     peer = 1 - rank
-    lo, hi = targets[0].elements(peer)
+    spans = {s: torch.full((8,), 10 * rank + s, dtype=torch.uint8) for s in (0, 1)}
+    received = {s: torch.zeros(8, dtype=torch.uint8) for s in (0, 1)}
+    moved: list[tuple[int, int]] = []
+    progress = ReadProgress()
+    regions = [Region(0, 0, 8), Region(1, 0, 8)]
+    sends = [Stream(regions, spans.__getitem__, lambda k, n: None, progress.ready) if p == peer else Stream([], None, None)
+             for p in range(world)]
+    receives = [Stream(regions, received.__getitem__, lambda k, n: moved.append((k, n))) if p == peer
+                else Stream([], None, None) for p in range(world)]
+    outcome = {}
+    thread = threading.Thread(target=lambda: outcome.update(stats=exchange(sends, receives, 4, progress)))
+    thread.start()
+    progress.read(0)
     deadline = time.monotonic() + 60  # a bound against a hang, not a timing assertion
-    while not bool((tensors["a"].view(-1)[lo:hi] == peer).all()) and time.monotonic() < deadline:
+    while sum(n for k, n in list(moved) if k == 0) < 8 and time.monotonic() < deadline:
         time.sleep(0.01)
-    a_before_b = bool((tensors["a"].view(-1)[lo:hi] == peer).all())
-    b_untouched = bool((tensors["b"].view(-1)[slice(*targets[1].elements(peer))] == -1).all())
-    # Both ranks have looked before either completes b: otherwise the replica, having seen a,
-    # may legitimately send its b before this rank looks.
+    span0_first = sum(n for k, n in list(moved) if k == 0) == 8 and not any(k == 1 for k, _ in list(moved))
     store = torch.distributed.distributed_c10d._get_default_store()
     store.set(f"looked-{rank}", "1")
     store.wait([f"looked-{peer}"])
-    progress.complete("b")
+    progress.read(1)
     progress.finish(None)
     thread.join()
-    return {"a_before_b": a_before_b, "b_untouched_then": b_untouched,
-            "a": tensors["a"].view(-1).tolist(), "b": tensors["b"].view(-1).tolist(),
-            "received": outcome["stats"].bytes_received}
+    return {"span0_first": span0_first, "received": {s: t.tolist() for s, t in received.items()},
+            "bytes": outcome["stats"].bytes_received, "rounds": outcome["stats"].rounds}
 
 
-def test_the_exchange_sends_what_is_final_while_reads_go_on():
+def test_the_exchange_sends_what_is_read_while_reads_go_on_in_bounded_rounds():
     for rank, result in enumerate(run_ranks(2, _overlap, timeout=120)):
-        assert result["a_before_b"] and result["b_untouched_then"], rank
-        assert result["a"] == [0.0] * 15 + [1.0] * 15 and result["b"] == [10.0] * 15 + [11.0] * 15
-        assert result["received"] == 2 * 15 * 4  # the replica's halves of a and b, nothing else
+        peer = 1 - rank
+        assert result["span0_first"], rank
+        assert result["received"] == {0: [10 * peer] * 8, 1: [10 * peer + 1] * 8}
+        assert result["bytes"] == 16 and result["rounds"] >= 4  # 4 bytes a round to the one peer

@@ -55,7 +55,7 @@ def _run(rank: int, world: int, path: str, out: str, refused: str) -> dict:
         fully_shard(layer, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
     model.to_empty(device="cpu")
-    reader = HFStorageReader(path, replicas="always")  # replicas cooperate: stages must not mix
+    reader = HFStorageReader(path, cooperate="always")  # the ranks of both stages cooperate
     report = load_hf_checkpoint(model, path, unexpected="ignore", reader=reader)
     state = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
     try:  # without pipeline_stage=True, another stage's tensors are a hole in this rank's inverse

@@ -1,7 +1,7 @@
 """Remote checkpoints on 2 and 4 gloo ranks, against real servers run by this (parent) process.
 
 A tiny sharded mixtral (bf16, 9 files + index) is served by moto (S3), a Range-honouring HTTP
-server and a fake Hub. Ranks load it with ``load_hf_checkpoint(model, url, ...)`` under TP (every
+server and a fake Hub. Ranks load it with ``load_hf_checkpoint(model, url, cooperate="never", ...)`` (reading directly) under TP (every
 parameter ``Shard(0)``) and EP (stacked experts ``Shard(0)``, the rest replicated); every
 parameter must equal ``from_pretrained`` of the local copy.
 
@@ -74,7 +74,9 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _options(rank: int, case: dict) -> dict:
-    options = dict(case.get("options", {}))
+    # Direct reads: each rank's own bytes are checked here; span ownership (the remote default)
+    # in test_cooperation_dist.
+    options = {"cooperate": "never", **case.get("options", {})}
     if case["backend"] == "s3":  # label this rank's requests in moto's recording
         options["storage_options"] = {**options["storage_options"], "config_kwargs": {"user_agent_extra": f"rank/{rank}"}}
     return options

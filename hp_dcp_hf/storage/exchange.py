@@ -1,0 +1,223 @@
+"""The exchange of a cooperative load: owners send every rank the raw bytes it needs from their spans.
+
+Each (sender, receiver) pair has one stream: a list of regions, on the sender in its span buffers,
+on the receiver in its chunk buffers, both in the order :meth:`ClusterPlan.route` gives. The bytes
+travel in rounds of ``all_to_all`` on the default group (counts with a failure flag, then data);
+a rank sends each peer at most ``chunk`` bytes a round, so with ``chunk`` = budget / (2 x the
+largest number of peers any rank has) no rank sends or receives more than the budget a round.
+A sender's stream stops at the first region whose span is not read yet, and goes on while the
+reads run; a failure anywhere (a read, the exchange) stops every rank at the same round.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from hp_dcp_hf.errors import HPDCPHFError, StorageReadError
+from hp_dcp_hf.storage.broadcast import collective_device
+
+
+@dataclass(frozen=True)
+class Region:
+    """Bytes ``[offset, offset + nbytes)`` of buffer ``key`` (a span on the sender, a need on the receiver)."""
+
+    key: int
+    offset: int
+    nbytes: int
+
+
+class ReadProgress:
+    """Which spans this rank's reads have in memory, and how the reads ended. Written by the
+    reading threads, read by the exchange's."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ready: set[int] = set()
+        self._done = False
+        self._error: HPDCPHFError | None = None
+
+    def read(self, span: int) -> None:
+        with self._lock:
+            self._ready.add(span)
+
+    def ready(self, span: int) -> bool:
+        with self._lock:
+            return span in self._ready
+
+    def finish(self, error: BaseException | None) -> None:
+        """The reads ended, with ``error`` when they failed."""
+        with self._lock:
+            self._done, self._error = True, None if error is None else typed(error, "reading a span failed: ")
+
+    @property
+    def ended(self) -> tuple[bool, HPDCPHFError | None]:
+        with self._lock:
+            return self._done, self._error
+
+
+class Stream:
+    """Consecutive regions walked by a cursor. ``buffer(key)`` gives a region's buffer (flat
+    uint8); ``ready(key)`` whether a sender may take it yet; ``moved(key, nbytes)`` is told of
+    every part copied (the receiver finishes needs with it, the sender frees spans)."""
+
+    def __init__(
+        self,
+        regions: Sequence[Region],
+        buffer: Callable[[int], torch.Tensor],
+        moved: Callable[[int, int], None],
+        ready: Callable[[int], bool] | None = None,
+    ) -> None:
+        self.regions = [r for r in regions if r.nbytes]
+        self.buffer, self.moved, self.ready = buffer, moved, ready
+        self.total = sum(r.nbytes for r in self.regions)
+        self.done = 0
+        self._index = self._offset = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.done == self.total
+
+    def _walk(self, nbytes: int):
+        while nbytes and self._index < len(self.regions):
+            region = self.regions[self._index]
+            if self.ready is not None and not self.ready(region.key):
+                return
+            take = min(nbytes, region.nbytes - self._offset)
+            start = region.offset + self._offset
+            yield region.key, self.buffer(region.key)[start : start + take]
+            self._offset += take
+            self.done += take
+            nbytes -= take
+            if self._offset == region.nbytes:
+                self._index, self._offset = self._index + 1, 0
+
+    def take_into(self, out: torch.Tensor, nbytes: int) -> int:
+        """Copy up to ``nbytes`` of the ready regions into ``out``; how many."""
+        position = 0
+        for key, part in self._walk(nbytes):
+            out[position : position + part.numel()].copy_(part)
+            position += part.numel()
+            self.moved(key, part.numel())
+        return position
+
+    def put(self, data: torch.Tensor) -> None:
+        if data.numel() > self.total - self.done:
+            raise StorageReadError(f"{data.numel()} bytes, more than the {self.total - self.done} still "
+                                   "expected: the ranks planned differently")
+        position = 0
+        for key, region in self._walk(data.numel()):
+            region.copy_(data[position : position + region.numel()])
+            position += region.numel()
+            self.moved(key, region.numel())
+
+
+@dataclass
+class ExchangeStats:
+    """What one rank sent to and received from the others."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    rounds: int = 0
+    aborted: bool = False  # another rank failed: the exchange stopped before its end
+
+
+_IDLE_S = (0.001, 0.02)
+"""Wait before the next round when one moved nothing (doubling from the first to the second)."""
+
+
+def exchange(sends: Sequence[Stream], receives: Sequence[Stream], chunk: int, progress: ReadProgress) -> ExchangeStats:
+    """Send every ``sends[peer]`` stream and fill every ``receives[peer]`` one (one per rank; this
+    rank's own are empty), ``chunk`` bytes per peer per round, while ``progress``'s reads run;
+    returns when every rank sent everything, or one failed (then raises this rank's error, or
+    returns ``aborted`` when another rank failed: the caller agrees on the outcome afterwards).
+
+    Every rank calls it, in a thread of its own beside the reads: the rounds are collectives, so
+    nothing else may use the process group meanwhile."""
+    world = dist.get_world_size()
+    device = collective_device()
+    stats = ExchangeStats()
+    error: HPDCPHFError | None = None
+    idle = _IDLE_S[0]
+    # One send and one receive buffer for every round (fresh ones per round leave freed blocks
+    # behind, and a rank's memory grows several budgets).
+    staged = torch.empty(chunk * sum(1 for s in sends if s.total), dtype=torch.uint8)  # on the host
+    send_buffer = staged if device.type == "cpu" else torch.empty(0, dtype=torch.uint8, device=device)
+    receive_buffer = torch.empty(0, dtype=torch.uint8, device=device)
+    while True:
+        stats.rounds += 1
+        sizes = [0] * world
+        done, read_error = progress.ended
+        error = error or read_error
+        if error is None:
+            try:
+                position = 0
+                for peer, stream in enumerate(sends):
+                    sizes[peer] = stream.take_into(staged[position:], chunk) if stream.total else 0
+                    position += sizes[peer]
+                if done and not any(sizes) and not all(s.finished for s in sends):
+                    raise StorageReadError("the reads ended without reading every span this rank sends")
+                if send_buffer is not staged:  # NCCL moves device tensors only
+                    send_buffer = _at_least(send_buffer, position)
+                    send_buffer[:position].copy_(staged[:position])
+            except Exception as e:  # noqa: BLE001 - every rank learns of it with the counts
+                error, sizes = typed(e), [0] * world
+        more = error is None and not all(s.finished for s in sends)
+        counts = torch.tensor([[n, error is not None, more] for n in sizes], dtype=torch.int64, device=device)
+        got = torch.empty_like(counts)
+        _collective(dist.all_to_all_single, got, counts)
+        if bool(got[:, 1].any()):  # the failing rank raises its error; the caller agrees on it
+            stats.aborted = True
+            break
+        received = got[:, 0].tolist()
+        receive_buffer = _at_least(receive_buffer, sum(received))
+        _collective(dist.all_to_all_single, receive_buffer[: sum(received)], send_buffer[: sum(sizes)],
+                    output_split_sizes=received, input_split_sizes=sizes)
+        stats.bytes_sent += sum(sizes)
+        incoming = receive_buffer[: sum(received)].cpu() if device.type != "cpu" else receive_buffer
+        position = 0
+        for peer, nbytes in enumerate(received):
+            try:
+                receives[peer].put(incoming[position : position + nbytes])
+            except Exception as e:  # noqa: BLE001 - reported with the next counts, or agreed after
+                error = error or typed(e, f"the bytes from rank {peer} did not fit: ")
+            position += nbytes
+            stats.bytes_received += nbytes
+        if not bool(got[:, 2].any()):  # nobody has more to send
+            short = [peer for peer, s in enumerate(receives) if not s.finished]
+            if short and error is None:
+                error = StorageReadError(f"ranks {short} sent less than this rank needs from their spans: "
+                                         "the ranks planned differently")
+            break
+        if sum(sizes) or sum(received):
+            idle = _IDLE_S[0]
+        else:  # waiting for reads (here or on a peer): do not spin against them
+            time.sleep(idle)
+            idle = min(2 * idle, _IDLE_S[1])
+    if error is not None:
+        raise error
+    return stats
+
+
+def _collective(op: Callable[..., object], *args: object, **kwargs: object) -> None:
+    """``op(*args, **kwargs)``, its failure (a rank gone: gloo's peer closed the connection) typed."""
+    try:
+        op(*args, **kwargs)
+    except Exception as e:
+        raise typed(e, "a collective failed (did a rank leave the load?): ") from e
+
+
+def _at_least(buffer: torch.Tensor, nbytes: int) -> torch.Tensor:
+    return buffer if buffer.numel() >= nbytes else buffer.new_empty(nbytes)
+
+
+def typed(error: BaseException, context: str = "the exchange of span bytes failed: ") -> HPDCPHFError:
+    """``error`` as an :mod:`hp_dcp_hf.errors` one (another becomes a StorageReadError saying ``context``)."""
+    if isinstance(error, HPDCPHFError):
+        return error
+    return StorageReadError(f"{context}{type(error).__name__}: {error}")

@@ -1,0 +1,348 @@
+"""One cooperative ``read_data``: this rank reads the spans it owns and exchanges raw bytes.
+
+The ranks gather each other's needs (the chunks of their plans, as integers: no pickling), build
+the same :class:`~hp_dcp_hf.storage.spans.ClusterPlan`, then each reads its own spans (large
+ranged reads, in file order, at most ``window`` bytes held at once) while a thread runs the
+exchange (:mod:`hp_dcp_hf.storage.exchange`): every rank receives exactly the checkpoint bytes it
+needs from the spans of others, as stored, into its chunks' buffers (its destinations themselves
+where they take the file's bytes as they are). Casts, conversions and dequantization happen on
+the receiving rank as in a direct read, when a chunk's bytes are all in.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import zlib
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from hp_dcp_hf.storage.broadcast import collective_device
+from hp_dcp_hf.storage.catalog import CheckpointTensor
+from hp_dcp_hf.storage.copy import copy_into
+from hp_dcp_hf.storage.exchange import ExchangeStats, ReadProgress, Region, Stream, exchange
+from hp_dcp_hf.storage.header import TensorEntry
+from hp_dcp_hf.storage.location import CheckpointLocation
+from hp_dcp_hf.storage.spans import ClusterPlan, Need, StoredTensor, decode_needs, encode_needs
+from hp_dcp_hf.storage.stats import ReadStats
+
+
+@dataclass(frozen=True)
+class StoredTable:
+    """Every stored tensor (a part of a checkpoint key) by index, the same on every rank: files in
+    name order, tensors in file then byte order."""
+
+    files: tuple[str, ...]
+    entries: tuple[TensorEntry, ...]
+    index: dict[tuple[str, str, int], int] = field(repr=False)
+
+    @classmethod
+    def of(cls, checkpoint: dict[str, CheckpointTensor]) -> StoredTable:
+        parts = sorted((p for t in checkpoint.values() for p in t.parts), key=lambda p: (p.file, p.data_start))
+        return cls(tuple(sorted({p.file for p in parts})), tuple(parts),
+                   {(p.key, p.file, p.data_start): i for i, p in enumerate(parts)})
+
+    @property
+    def tensors(self) -> list[StoredTensor]:
+        position = {name: i for i, name in enumerate(self.files)}
+        return [StoredTensor(position[e.file], e.data_start, e.shape, e.itemsize) for e in self.entries]
+
+    def need(self, chunk: Any) -> Need:
+        entry = chunk.entry
+        return Need(self.index[entry.key, entry.file, entry.data_start], chunk.box)
+
+
+def node_id(node: str) -> int:
+    """An integer standing for a node's name (ranks of one node report the same)."""
+    return zlib.crc32(node.encode())
+
+
+def gather_needs(needs: np.ndarray, node: int) -> tuple[list[np.ndarray], list[int]]:
+    """Every rank's encoded needs and node, on every rank (two ``all_gather`` of int64 tensors)."""
+    device, world = collective_device(), dist.get_world_size()
+    mine = torch.from_numpy(np.concatenate(([node], needs)).astype(np.int64))
+    length = torch.tensor([mine.numel()], dtype=torch.int64, device=device)
+    lengths = [torch.empty_like(length) for _ in range(world)]
+    dist.all_gather(lengths, length)
+    sizes = [int(n.item()) for n in lengths]
+    padded = torch.zeros(max(sizes), dtype=torch.int64)
+    padded[: mine.numel()] = mine
+    every = [torch.empty(max(sizes), dtype=torch.int64, device=device) for _ in range(world)]
+    dist.all_gather(every, padded.to(device))
+    arrays = [e.cpu().numpy()[:n] for e, n in zip(every, sizes)]
+    return [a[1:] for a in arrays], [int(a[0]) for a in arrays]
+
+
+@dataclass
+class SpanLoad:
+    """What one rank does in a cooperative read, and what it counted."""
+
+    plan: ClusterPlan
+    rank: int
+    storage_bytes: int = 0  # read from storage by this rank
+    own_bytes: int = 0  # of this rank's needs, the bytes inside its own spans (not received)
+    exchange: ExchangeStats = field(default_factory=ExchangeStats)
+    seconds: dict[str, float] = field(default_factory=dict)  # "spans": gather and plan; "exchange": after the reads
+
+
+class _Needs:
+    """This rank's chunks as the exchange fills them: each chunk's bytes land in its destination
+    when it takes them as stored, else in a staging buffer made on first arrival; once a chunk's
+    bytes are all in, its values go to the destination and ``finished(chunk)`` is called."""
+
+    def __init__(self, chunks: Sequence[Any], byte_view: Callable[[torch.Tensor], torch.Tensor],
+                 finished: Callable[[int], None]) -> None:
+        self._chunks, self._finished = chunks, finished
+        self._lock = threading.Lock()
+        self._remaining = [chunk.nbytes for chunk in chunks]
+        self._buffers: dict[int, torch.Tensor] = {
+            i: byte_view(chunk.dest) for i, chunk in enumerate(chunks) if chunk.direct}
+
+    def buffer(self, index: int) -> torch.Tensor:
+        with self._lock:
+            buffer = self._buffers.get(index)
+            if buffer is None:
+                buffer = self._buffers[index] = torch.empty(self._chunks[index].nbytes, dtype=torch.uint8)
+            return buffer
+
+    def moved(self, index: int, nbytes: int) -> None:
+        with self._lock:
+            self._remaining[index] -= nbytes
+            if self._remaining[index]:
+                return
+            buffer = self._buffers.pop(index)
+        chunk = self._chunks[index]
+        if not chunk.direct:
+            copy_into(chunk.dest, chunk.staged_view(buffer, 0))
+        self._finished(index)
+
+    @property
+    def complete(self) -> bool:
+        with self._lock:
+            return not any(self._remaining)
+
+
+class _Spans:
+    """The spans this rank owns, read into buffers and freed once every byte of them reached the
+    ranks that need it (this one included): at most ``window`` bytes held (one span at least)."""
+
+    def __init__(self, plan: ClusterPlan, owned: np.ndarray, pending: dict[int, int], window: int) -> None:
+        self.plan, self.owned, self.window = plan, owned, window
+        self._pending = dict(pending)
+        self._buffers: dict[int, torch.Tensor] = {}
+        self._held = 0
+        self._cond = threading.Condition()
+
+    def size(self, span: int) -> int:
+        return int(self.plan.end[span] - self.plan.start[span])
+
+    def allocate(self, span: int, stop: Callable[[], bool]) -> torch.Tensor | None:
+        """A buffer for ``span`` once the window has room for it (``None`` when ``stop()`` says so)."""
+        size = self.size(span)
+        with self._cond:
+            self._cond.wait_for(lambda: stop() or not self._held or self._held + size <= self.window)
+            if stop():
+                return None
+            self._held += size
+            buffer = self._buffers[span] = torch.empty(size, dtype=torch.uint8)
+            return buffer
+
+    def buffer(self, span: int) -> torch.Tensor:
+        with self._cond:
+            return self._buffers[span]
+
+    def moved(self, span: int, nbytes: int) -> None:
+        with self._cond:
+            self._pending[span] -= nbytes
+            if not self._pending[span]:
+                self._release(span)
+
+    def read(self, span: int) -> None:
+        """``span`` is in memory: freed at once when nobody needs its bytes (a bridged hole)."""
+        with self._cond:
+            if not self._pending.get(span, 0):
+                self._release(span)
+
+    def _release(self, span: int) -> None:
+        if self._buffers.pop(span, None) is not None:
+            self._held -= self.size(span)
+            self._cond.notify_all()
+
+    def wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+
+def read_spans(
+    *,
+    location: CheckpointLocation,
+    table: StoredTable,
+    chunks: Sequence[Any],
+    byte_view: Callable[[torch.Tensor], torch.Tensor],
+    finished: Callable[[int], None],
+    gap: int,
+    span_bytes: int,
+    request_bytes: int,
+    threads: int,
+    budget: int,
+    node: str,
+    stats: ReadStats,
+    log: Callable[[str, int, int], None] | None,
+    direct_io: bool,
+) -> SpanLoad:
+    """The cooperative read of ``chunks`` (this rank's, sorted by file and first byte): every rank
+    calls it together. ``finished(i)``: chunk ``i`` holds its values. Raises this rank's error, or
+    returns having left the outcome of the others to agree on (``SpanLoad.exchange`` counts)."""
+    began = time.perf_counter()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tensors = table.tensors
+    mine = [table.need(chunk) for chunk in chunks]
+    encoded, nodes = gather_needs(encode_needs(mine, tensors), node_id(node))
+    needs = [mine if r == rank else decode_needs(encoded[r], tensors) for r in range(world)]
+    plan = ClusterPlan.build(tensors, needs, table.files, nodes=nodes, gap=gap, span_bytes=span_bytes)
+    owned = plan.owned(rank)
+    load = SpanLoad(plan, rank, plan.bytes_read(rank))
+
+    incoming = plan.route(mine, tensors)
+    own = incoming.select(incoming.owner == rank)
+    load.own_bytes = own.nbytes
+    pending: dict[int, int] = defaultdict(int)
+    for span, start, end in zip(own.span.tolist(), own.start.tolist(), own.end.tolist()):
+        pending[span] += end - start
+    target = _Needs(chunks, byte_view, finished)
+    receives = [_regions(incoming.select(incoming.owner == peer), key="need") if peer != rank else []
+                for peer in range(world)]
+    outgoing: list[list[Region]] = []
+    for peer in range(world):
+        if peer == rank or not len(owned):
+            outgoing.append([])
+            continue
+        routed = plan.route(needs[peer], tensors, within=owned)
+        for span, start, end in zip(routed.span.tolist(), routed.start.tolist(), routed.end.tolist()):
+            pending[span] += end - start
+        outgoing.append(_regions(routed, key="span", plan=plan))
+    degree = torch.tensor([max(sum(1 for r in outgoing if r), sum(1 for r in receives if r))], dtype=torch.int64,
+                          device=collective_device())
+    dist.all_reduce(degree, op=dist.ReduceOp.MAX)
+    chunk = max(1, budget // (2 * max(1, int(degree.item()))))
+
+    load.seconds["spans"] = time.perf_counter() - began
+    spans = _Spans(plan, owned, pending, window=max(4 * budget, 2 * int((plan.end - plan.start).max(initial=0))))
+    progress = ReadProgress()
+    sends = [Stream(r, spans.buffer, spans.moved, progress.ready) for r in outgoing]
+    streams = [Stream(r, target.buffer, target.moved) for r in receives]
+    own_parts = _by_span(own)
+    outcome: dict[str, Any] = {"stats": ExchangeStats()}
+
+    def run_exchange() -> None:
+        try:
+            outcome["stats"] = exchange(sends, streams, chunk, progress)
+        except BaseException as e:  # noqa: BLE001 - agreed on by the caller
+            outcome["error"] = e
+        finally:
+            spans.wake()
+
+    thread = threading.Thread(target=run_exchange, name="hp-dcp-hf-exchange", daemon=True)
+    thread.start()
+    error: BaseException | None = None
+    try:
+        _read_owned(location, table, plan, spans, own_parts, target, progress, request_bytes, threads,
+                    stats, log, direct_io, stop=lambda: "error" in outcome or outcome["stats"].aborted)
+    except BaseException as e:  # noqa: BLE001 - every rank learns of it through the exchange
+        error = e
+    finally:
+        progress.finish(error)
+        reads_done = time.perf_counter()
+        thread.join()
+    load.seconds["exchange"] = time.perf_counter() - reads_done
+    load.exchange = outcome["stats"]
+    if error is not None:
+        raise error
+    if "error" in outcome:
+        raise outcome["error"]
+    return load
+
+
+def _regions(routed, *, key: str, plan: ClusterPlan | None = None) -> list[Region]:
+    """A stream's regions: in the receiver's need buffers (``key="need"``) or the sender's span buffers."""
+    if key == "need":
+        return [Region(n, o, e - s) for n, o, s, e in
+                zip(routed.need.tolist(), routed.offset.tolist(), routed.start.tolist(), routed.end.tolist())]
+    assert plan is not None
+    return [Region(span, s - int(plan.start[span]), e - s) for span, s, e in
+            zip(routed.span.tolist(), routed.start.tolist(), routed.end.tolist())]
+
+
+def _by_span(own) -> dict[int, list[tuple[int, int, int, int]]]:
+    """This rank's own parts inside its own spans, per span: ``(need, offset, start, end)``."""
+    parts: dict[int, list[tuple[int, int, int, int]]] = defaultdict(list)
+    for span, need, offset, start, end in zip(own.span.tolist(), own.need.tolist(), own.offset.tolist(),
+                                              own.start.tolist(), own.end.tolist()):
+        parts[span].append((need, offset, start, end))
+    return parts
+
+
+def _read_owned(location, table, plan, spans: _Spans, own_parts, target: _Needs, progress: ReadProgress,
+                request_bytes: int, threads: int, stats: ReadStats, log, direct_io: bool,
+                stop: Callable[[], bool]) -> None:
+    """Read every owned span (requests of at most ``request_bytes``, ``threads`` at once); as each
+    span is in, copy this rank's own parts out of it and mark it ready for the exchange."""
+    lock = threading.Lock()
+    left: dict[int, int] = {}  # span -> its requests still reading
+    requests: dict[int, int] = {}
+    failed = threading.Event()
+
+    def finish(span: int, buffer: torch.Tensor) -> None:
+        base = int(plan.start[span])
+        stats.add(plan.files[int(plan.file[span])], bytes_read=spans.size(span),
+                  bytes_needed=int(plan.needed[span]), ranges=1, requests=requests[span])
+        for need, offset, start, end in own_parts.get(span, ()):
+            target.buffer(need)[offset : offset + end - start].copy_(buffer[start - base : end - base])
+            target.moved(need, end - start)
+            spans.moved(span, end - start)
+        progress.read(span)
+        spans.read(span)
+
+    def read(span: int, buffer: torch.Tensor, start: int, end: int) -> None:
+        try:
+            file = plan.files[int(plan.file[span])]
+            base = int(plan.start[span])
+            with location.open(file) as handle:  # closing checks the file is unchanged
+                if direct_io:
+                    handle.use_direct_io()
+                handle.read_into(start, [memoryview(buffer[start - base : end - base].numpy())])
+            if log is not None:
+                log(file, start, end)
+            with lock:
+                left[span] -= 1
+                done = not left[span]
+            if done:
+                finish(span, buffer)
+        except BaseException:
+            failed.set()
+            spans.wake()
+            raise
+
+    futures = []
+    with ThreadPoolExecutor(threads, "hp-dcp-hf-span") as pool:
+        for span in spans.owned.tolist():
+            buffer = spans.allocate(span, lambda: stop() or failed.is_set())
+            if buffer is None:
+                break
+            start, end = int(plan.start[span]), int(plan.end[span])
+            cuts = [*range(start, end, request_bytes), end]
+            requests[span] = left[span] = len(cuts) - 1
+            futures.extend(pool.submit(read, span, buffer, a, b) for a, b in zip(cuts, cuts[1:]))
+        wait(futures, return_when=FIRST_EXCEPTION)
+        for future in futures:
+            future.cancel()
+    errors = [f.exception() for f in futures if not f.cancelled() and f.exception() is not None]
+    if errors:
+        raise errors[0]

@@ -1,0 +1,180 @@
+"""Span ownership in one process: the union of every rank's needed bytes, the spans cut from it,
+their owners, and the streams sender and receiver derive apart, checked against byte bitmaps."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hp_dcp_hf.box import Box
+from hp_dcp_hf.storage.exchange import ReadProgress, Region, Stream
+from hp_dcp_hf.storage.spans import (
+    ClusterPlan,
+    Need,
+    StoredTensor,
+    decode_needs,
+    encode_needs,
+    needed_union,
+    traffic,
+)
+
+FILES = ("a.safetensors", "b.safetensors")
+
+
+def _layout(shapes: list[tuple[int, ...]], itemsize: int = 2) -> list[StoredTensor]:
+    """Tensors packed one after the other after a 100-byte header, alternating between two files."""
+    tensors, position = [], [100, 100]
+    for index, shape in enumerate(shapes):
+        file = index % 2
+        tensors.append(StoredTensor(file, position[file], shape, itemsize))
+        position[file] += math.prod(shape) * itemsize
+    return tensors
+
+
+def _bitmaps(tensors, needs_by_rank) -> list[np.ndarray]:
+    """Per file, how many ranks need each byte (from the boxes' elements, not their ranges)."""
+    size = max(t.data_start + t.nbytes for t in tensors) + 1
+    maps = [np.zeros(size, dtype=np.int64) for _ in FILES]
+    for needs in needs_by_rank:
+        for need in needs:
+            t = tensors[need.tensor]
+            flat = torch.arange(math.prod(t.shape)).reshape(t.shape)[need.box.slices()].reshape(-1).numpy()
+            for k in range(t.itemsize):
+                np.add.at(maps[t.file], t.data_start + flat * t.itemsize + k, 1)
+    return maps
+
+
+@st.composite
+def _cluster(draw):
+    shapes = draw(st.lists(st.lists(st.integers(1, 9), min_size=1, max_size=3).map(tuple), min_size=1, max_size=5))
+    tensors = _layout(shapes)
+    world = draw(st.integers(1, 5))
+    needs_by_rank = []
+    for _ in range(world):
+        needs = []
+        for index in draw(st.lists(st.integers(0, len(shapes) - 1), max_size=6)):
+            shape = shapes[index]
+            lo = [draw(st.integers(0, s - 1)) for s in shape]
+            size = [draw(st.integers(1, s - o)) for s, o in zip(shape, lo)]
+            needs.append(Need(index, Box(tuple(lo), tuple(size))))
+        needs.sort(key=lambda n: (tensors[n.tensor].file, tensors[n.tensor].data_start))
+        needs_by_rank.append(needs)
+    return tensors, needs_by_rank, draw(st.sampled_from([1, 16, 64]))
+
+
+@settings(max_examples=200, deadline=None)
+@given(_cluster())
+def test_spans_cover_exactly_the_bytes_some_rank_needs_and_streams_agree(cluster):
+    tensors, needs_by_rank, span_bytes = cluster
+    world = len(needs_by_rank)
+    plan = ClusterPlan.build(tensors, needs_by_rank, FILES, span_bytes=span_bytes)
+    needed = _bitmaps(tensors, needs_by_rank)
+    covered = [np.zeros_like(m) for m in needed]
+    for f, s, e in zip(plan.file.tolist(), plan.start.tolist(), plan.end.tolist()):
+        assert s < e
+        covered[f][s:e] += 1
+    for f in range(len(FILES)):  # each needed byte in one span, no unneeded byte in any (gap 0)
+        assert np.array_equal(covered[f], (needed[f] > 0).astype(np.int64))
+    assert plan.bytes_read() == sum(int((m > 0).sum()) for m in needed) == int(plan.needed.sum())
+    keys = list(zip(plan.file.tolist(), plan.start.tolist()))
+    assert keys == sorted(keys) and set(plan.owner.tolist()) <= set(range(world))
+    for needs in needs_by_rank:
+        routed = plan.route(needs, tensors)
+        assert routed.nbytes == sum(n.box.numel * tensors[n.tensor].itemsize for n in needs)
+        # every part lies in its span, and lands where its bytes sit in the need's buffer
+        for part in range(len(routed.start)):
+            span = routed.span[part]
+            assert plan.start[span] <= routed.start[part] < routed.end[part] <= plan.end[span]
+            assert routed.owner[part] == plan.owner[span]
+        for owner in range(world):  # the sender's stream, from the receiver's needs alone, is the receiver's
+            mine = routed.select(routed.owner == owner)
+            theirs = plan.route(needs, tensors, within=plan.owned(owner))
+            for field in ("span", "file", "start", "end", "need", "offset"):
+                assert np.array_equal(getattr(mine, field), getattr(theirs, field)), field
+    shares = traffic(plan, tensors, needs_by_rank, request_bytes=32)
+    assert sum(t.sent for t in shares) == sum(t.received for t in shares)
+    assert sum(t.storage_bytes for t in shares) == plan.bytes_read()
+
+
+def test_a_need_lands_at_the_offsets_of_its_own_buffer():
+    """A column block: one range per row, each at the next offset of the need's buffer."""
+    tensors = [StoredTensor(0, 8, (4, 6), 4)]
+    need = Need(0, Box((1, 2), (3, 2)))
+    plan = ClusterPlan.build(tensors, [[need]], FILES[:1], span_bytes=1)
+    routed = plan.route([need], tensors)
+    assert routed.start.tolist() == [8 + (6 * r + 2) * 4 for r in (1, 2, 3)]
+    assert routed.offset.tolist() == [0, 8, 16] and routed.end.tolist() == [s + 8 for s in routed.start.tolist()]
+
+
+def test_boxes_that_tile_a_tensor_make_one_range_without_listing_rows():
+    tensors = [StoredTensor(0, 100, (1000, 64), 2)]
+    columns = [[Need(0, Box((0, 32 * r), (1000, 32)))] for r in range(2)]
+    starts, ends = needed_union(tensors, columns, 1)[0]
+    assert starts.tolist() == [100] and ends.tolist() == [100 + 1000 * 64 * 2]
+    rows = [[Need(0, Box((0, 0), (400, 64)))], [Need(0, Box((600, 0), (400, 64)))]]  # a hole nobody needs
+    starts, ends = needed_union(tensors, rows, 1)[0]
+    assert starts.tolist() == [100, 100 + 600 * 128] and ends.tolist() == [100 + 400 * 128, 100 + 1000 * 128]
+
+
+def test_owners_are_balanced_and_prefer_ranks_then_nodes_that_need_the_span():
+    mib = 2**20
+    tensors = [StoredTensor(0, 0, (64 * mib,), 1)]
+    halves = [[Need(0, Box((0,), (32 * mib,)))], [Need(0, Box((32 * mib,), (32 * mib,)))]]
+    needs = [*halves, [], []]  # ranks 2 and 3 need nothing
+    plan = ClusterPlan.build(tensors, needs, FILES[:1], span_bytes=8 * mib)
+    loads = [plan.bytes_read(r) for r in range(4)]
+    # balanced by bytes: nobody above a fair share plus a span, the ranks needing nothing own spans too
+    assert sum(loads) == 64 * mib and max(loads) <= 16 * mib + 8 * mib and min(loads) > 0
+    # Ranks 0 and 2 on one node, 1 and 3 on another: a span goes to a rank of a node that needs it.
+    plan = ClusterPlan.build(tensors, needs, FILES[:1], nodes=[0, 1, 0, 1], span_bytes=8 * mib)
+    nodes = [0, 1, 0, 1]
+    for span in range(len(plan)):
+        node = nodes[int(plan.owner[span])]
+        assert (plan.end[span] <= 32 * mib and node == 0) or (plan.start[span] >= 32 * mib and node == 1)
+    assert all(plan.bytes_read(r) > 0 for r in range(4))
+
+
+def test_spans_are_large_page_aligned_and_bridge_only_small_holes():
+    mib = 2**20
+    tensors = [StoredTensor(0, 80, (100 * mib,), 1)]
+    needs = [[Need(0, Box((0,), (40 * mib,))), Need(0, Box((40 * mib + 1000,), (60 * mib - 1000,)))]]
+    plan = ClusterPlan.build(tensors, needs, FILES[:1], gap=4096, span_bytes=8 * mib)
+    assert plan.bytes_read() == 100 * mib and int(plan.needed.sum()) == 100 * mib - 1000  # the hole bridged
+    assert all((e - s) >= 8 * mib for s, e in zip(plan.start.tolist(), plan.end.tolist()))
+    assert all(s % 4096 == 0 for s in plan.start.tolist()[1:])
+    apart = ClusterPlan.build(tensors, needs, FILES[:1], gap=0, span_bytes=8 * mib)
+    assert apart.bytes_read() == 100 * mib - 1000
+
+
+def test_needs_travel_as_integers():
+    tensors = [StoredTensor(0, 0, (4, 5, 6), 2), StoredTensor(1, 0, (), 4)]
+    needs = [Need(0, Box((1, 0, 2), (2, 5, 3))), Need(1, Box((), ())), Need(0, Box((0, 0, 0), (4, 5, 6)))]
+    encoded = encode_needs(needs, tensors)
+    assert encoded.dtype == np.int64 and decode_needs(encoded, tensors) == needs
+
+
+def test_a_need_outside_every_span_is_refused():
+    tensors = [StoredTensor(0, 0, (16,), 1)]
+    plan = ClusterPlan.build(tensors, [[Need(0, Box((0,), (8,)))]], FILES[:1])
+    with pytest.raises(ValueError, match="outside every span"):
+        plan.route([Need(0, Box((8,), (8,)))], tensors)
+
+
+def test_a_sender_stops_at_the_first_span_not_read_yet():
+    progress = ReadProgress()
+    spans = {0: torch.arange(4, dtype=torch.uint8), 1: torch.arange(4, 8, dtype=torch.uint8)}
+    moved = []
+    stream = Stream([Region(0, 1, 3), Region(1, 0, 2)], spans.__getitem__, lambda k, n: moved.append((k, n)),
+                    progress.ready)
+    out = torch.zeros(8, dtype=torch.uint8)
+    assert stream.take_into(out, 8) == 0  # span 0 not read
+    progress.read(0)
+    assert stream.take_into(out, 8) == 3 and out[:3].tolist() == [1, 2, 3] and not stream.finished
+    progress.read(1)
+    assert stream.take_into(out, 8) == 2 and out[:2].tolist() == [4, 5] and stream.finished
+    assert moved == [(0, 3), (1, 2)]
