@@ -26,6 +26,8 @@ Contenders (``--contenders``):
 * ``torch``: torch's ``HuggingFaceStorageReader`` + ``DefaultLoadPlanner`` on the identity-named model
   (:func:`bench.contenders.torch_load`, experts stacked after, as in the loads part).
 * ``dcp``: this project, ``load_hf_checkpoint`` with an ``HFStorageReader`` (mapped local files).
+* ``dcp+spans``: the same with ``cooperate="always"``: span ownership, every needed byte read by one
+  rank (spans of at least 8 MiB, ranged reads) and the raw bytes exchanged over gloo.
 * ``dcp+willneed``: the same with ``prefetch=True`` (``posix_fadvise(WILLNEED)`` of the batches'
   ranges ahead of the reads); ``dcp+odirect``: ``direct_io=True`` (``O_DIRECT`` ranged reads);
   ``dcp+preadv``: ``map_local_files=False`` (buffered ranged reads, the baseline of ``O_DIRECT``).
@@ -39,9 +41,13 @@ node's turn its first rank evicts the files and checks residency, then only that
 (``floor``: its ranges; ``dcp``: the reader's ``read_data``, metadata and planning ran on every rank
 at once before), then the next node. Reported per node: ``storage_bytes`` (its ranks' ``read_bytes``)
 and ``resident_after`` (pages in the cache after its turn), against the bytes its ranks need (the
-union of their ranges) and the cluster's one copy (the union over every rank). Meshes: ``dp=2,tp=2``
-(the nodes need different rows) and ``dp_replicate=2,tp=2`` (HSDP: each node is one replica and
-needs the whole checkpoint: one copy per node until span ownership shares them).
+union of their ranges) and the cluster's one copy (the union over every rank). ``dcp+spans`` reads
+on every rank at once (its exchange is collective), each rank telling the reader its node
+(``node=``): a span's owner is preferably on a node that needs it, and each node's storage bytes are
+its ranks' own reads, which no page cache of another node serves (one cache on this machine: its
+residency is reported once, on node 0). Meshes: ``dp=2,tp=2`` (the nodes need different rows) and
+``dp_replicate=2,tp=2`` (HSDP: each node is one replica and needs the whole checkpoint: one copy per
+node for direct reads, one per cluster with span ownership).
 """
 
 from __future__ import annotations
@@ -64,12 +70,12 @@ import numpy as np
 
 from bench.workloads import Workload, human, size_tag
 
-CONTENDERS = ("floor", "whole", "torch", "dcp", "dcp+willneed", "dcp+preadv", "dcp+odirect")
-MULTIHOST_CONTENDERS = ("floor", "dcp", "dcp+willneed", "dcp+odirect")
+CONTENDERS = ("floor", "whole", "torch", "dcp", "dcp+spans", "dcp+willneed", "dcp+preadv", "dcp+odirect")
+MULTIHOST_CONTENDERS = ("floor", "dcp", "dcp+spans")
 MULTIHOST_MESHES = "dp=2,tp=2;dp_replicate=2,tp=2"
 OPTIONS: dict[str, dict[str, Any]] = {
-    "dcp": {}, "dcp+willneed": {"prefetch": True}, "dcp+preadv": {"map_local_files": False},
-    "dcp+odirect": {"direct_io": True},
+    "dcp": {}, "dcp+spans": {"cooperate": "always"}, "dcp+willneed": {"prefetch": True},
+    "dcp+preadv": {"map_local_files": False}, "dcp+odirect": {"direct_io": True},
 }
 PAGE = mmap.PAGESIZE
 
@@ -328,12 +334,30 @@ def _multihost(rank: int, world: int, job: ColdJob, model, raws, cache: _Cache) 
             with measure.timed_across_ranks() as timer:
                 if name == "floor":
                     read(lambda: raws["floor"].read(job.threads))
+                elif name == "dcp+spans":
+                    _spans_turn(rank, world, job, model, cache, log)
                 else:
                     _dcp_load(model, job.path, job.threads, NodeReader, **OPTIONS[name])
             if rep >= 0:
                 runs.append({"wall_s": timer.wall_s, "turns": list(log)})
         out[name] = runs
     return out
+
+
+def _spans_turn(rank: int, world: int, job: ColdJob, model, cache: _Cache, log: list[dict[str, Any]]) -> None:
+    """A cooperative load on every rank at once, each naming its node; logged as one turn per node."""
+    node = rank // (world // job.nodes)
+    before = cache.evict()
+    io0 = storage_read_bytes()
+    start = time.perf_counter()
+    _dcp_load(model, job.path, job.threads, node=f"node{node}", **OPTIONS["dcp+spans"])
+    own = time.perf_counter() - start
+    io1 = storage_read_bytes()
+    after = cache.resident()
+    log.append({"node": node, "own_s": own, "storage_bytes": io1 - io0})
+    if cache.leader:
+        log.extend({"node": n, "leader": True, "resident_before": before, "resident_after": after if n == 0 else 0}
+                   for n in range(job.nodes))
 
 
 # -- in the bench process ------------------------------------------------------------------------
@@ -559,7 +583,7 @@ def targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
                        f"paired; {r['wall_s']['median']:.3f} s vs {recs['floor']['wall_s']['median']:.3f} s)")
         m = case.get("multihost", {})
         for r in m.get("contenders", []):
-            if r["contender"].startswith("dcp"):
+            if r["contender"] == "dcp+spans":  # direct reads read a copy per node that needs one
                 target(case, r["contender"], f"multi-host ({m['nodes']} nodes), storage bytes one copy of the "
                        "needed bytes per cluster", r["cluster_vs_one_copy"] <= 1.01,
                        f"{r['cluster_vs_one_copy']:.2f}x ({human(r['storage_bytes_cluster'])} vs "

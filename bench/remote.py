@@ -7,18 +7,20 @@ telemetry off, uploads the checkpoint to ``s3://bench/moe-<size>``, and, for eac
 
 * ``dcp-s3``: this project as a user gets it, ``load_hf_checkpoint(model, "s3://...")`` with
   ``HFStorageReader(url, storage_options=..., num_threads=threads)`` and its remote defaults
-  (``replicas="auto"``, which cooperates on S3 with more than one rank: replicas read one slice
-  each of what they share and exchange the slices; ``coalesce_gap`` 1 MiB, batches of at least
-  8 MiB); checked against the legacy loader reading the local copy into the same layout;
-* ``dcp-s3-direct``: the same with ``replicas="never"``: every rank reads all it holds;
-* ``limit`` / ``limit-direct``: the byte ranges of the matching plan (the reader's own
-  ``plan_requests``; for ``limit`` the cooperative plan, each rank's slices) fetched by
-  ``threads`` boto3 threads through one client (pool of ``threads`` connections), bodies read into
-  ``bytes``: nothing but the transport, no exchange;
+  (``cooperate="auto"``, which cooperates on S3 with more than one rank: span ownership, each
+  needed byte read by one rank in spans of at least 8 MiB, the raw bytes exchanged);
+  checked against the legacy loader reading the local copy into the same layout;
+* ``dcp-s3-direct``: the same with ``cooperate="never"``: every rank reads all it holds
+  (``coalesce_gap`` 1 MiB, batches of at least 8 MiB);
+* ``limit`` / ``limit-direct``: the byte ranges of the matching plan fetched by ``threads`` boto3
+  threads through one client (pool of ``threads`` connections), bodies read into ``bytes``:
+  nothing but the transport, no exchange. ``limit`` is the floor of the issue: every needed byte
+  fetched once, split across the ranks (the spans of :meth:`HFStorageReader.plan_spans`, in
+  requests of the reader's size); ``limit-direct`` each rank's own ``plan_requests``;
 * ``s3fs-whole``: every rank downloads every file of the checkpoint whole with s3fs (``threads``
   files at a time) into a directory of its own, then loads the local copy with this project;
 * ``dcp-local`` / ``dcp-local-coop``: this project loading the local copy (warm page cache) with
-  ``replicas="never"`` (what ``"auto"`` does for local files) and ``"always"``: whether sharing
+  ``cooperate="never"`` (what ``"auto"`` does for local files) and ``"always"``: whether sharing
   reads pays where reading is a memory copy.
 
 Meshes (``--remote-meshes``): ``dp=2,tp=2`` is FSDP2 over TP (:mod:`bench.layouts`), where only
@@ -59,7 +61,7 @@ from typing import Any
 from torch import nn
 
 from bench import layouts, measure
-from bench.contenders import Job, Row, _timed_method, legacy_digests, load_config, repeat_loads
+from bench.contenders import Job, Row, legacy_digests, load_config, repeat_loads
 from bench.layouts import mesh_label
 from bench.loads import aggregate
 from bench.workloads import Workload, size_tag
@@ -67,9 +69,9 @@ from hp_dcp_hf.launch import run_ranks
 
 BUCKET = "bench"
 CONTENDERS = ("dcp-s3", "dcp-s3-direct", "limit", "limit-direct", "s3fs-whole", "dcp-local", "dcp-local-coop")
-REPLICAS = {"dcp-s3": "auto", "dcp-s3-direct": "never", "limit": "auto", "limit-direct": "never",
+COOPERATE = {"dcp-s3": "auto", "dcp-s3-direct": "never", "limit": "auto", "limit-direct": "never",
             "dcp-local": "never", "dcp-local-coop": "always"}
-"""The reader's ``replicas`` per contender: a limit fetches the ranges of the plan of its pair."""
+"""The reader's ``cooperate`` per contender: a limit fetches the ranges of the plan of its pair."""
 PAIRS = {"dcp-s3": "limit", "dcp-s3-direct": "limit-direct"}
 MESHES = "dp=2,tp=2;dp_replicate=2,tp=2"
 REPLICATE = "dp_replicate"
@@ -220,20 +222,18 @@ def _dcp(job: Job, rank: int, url: str, options: dict[str, Any]) -> Row:
     path, kwargs = (job.path, {}) if job.contender.startswith("dcp-local") else (url, {"storage_options": options})
 
     def load(m) -> dict[str, Any]:
-        reader = HFStorageReader(path, num_threads=job.threads, replicas=REPLICAS[job.contender], **kwargs)
+        reader = HFStorageReader(path, num_threads=job.threads, cooperate=COOPERATE[job.contender], **kwargs)
         planner = HFMappingPlanner(m)
-        # read_data = this rank's reads (_read_data), then, cooperating, the exchange with its replicas
-        plan_s, read_s = _timed_method(planner, "create_local_plan"), _timed_method(reader, "_read_data")
-        data_s = _timed_method(reader, "read_data")
-        load_hf_checkpoint(m, path, reader=reader, planner=planner)
+        report = load_hf_checkpoint(m, path, reader=reader, planner=planner)
         total, stats, exchange = reader.stats.total(), planner.stats, reader.exchange
         row.extra.update(gets=total.requests + total.header_requests, cooperating=reader.cooperating,
-                         shared_targets=stats.shared_targets, peer_bytes_in=stats.peer_bytes_in,
+                         own_bytes=reader.spans.own_bytes if reader.spans else None,
+                         spans=len(reader.spans.plan) if reader.spans else None,
                          exchange={"sent": exchange.bytes_sent, "received": exchange.bytes_received,
                                    "rounds": exchange.rounds})
         return {"bytes_needed": stats.bytes_needed, "bytes_read": total.bytes_read, "requests": total.requests,
                 "ranges": total.ranges, "header_bytes": total.header_bytes,
-                "phases": {"plan_s": sum(plan_s), "read_s": sum(read_s), "exchange_s": sum(data_s) - sum(read_s)}}
+                "phases": {f"{phase}_s": report.seconds.get(phase, 0.0) for phase in ("plan", "spans", "read", "exchange")}}
 
     repeat_loads(row, job, model, load)
     row.mismatched = measure.compare_digests(row.digests or {}, legacy_digests(model, job))
@@ -243,13 +243,25 @@ def _dcp(job: Job, rank: int, url: str, options: dict[str, Any]) -> Row:
 
 def _limit(job: Job, rank: int, url: str, options: dict[str, Any]) -> Row:
     """The rank's planned requests, fetched by ``threads`` boto3 threads: the transport alone."""
+    import torch.distributed as dist
+
     from hp_dcp_hf import HFMappingPlanner, HFStorageReader
+    from hp_dcp_hf.storage.ranges import Request
 
     row = Row(job.contender, rank)
     model = build(job, materialize=False)
-    reader = HFStorageReader(url, storage_options=options, num_threads=job.threads, replicas=REPLICAS[job.contender])
-    requests = reader.plan_requests(HFMappingPlanner(model).plan_reads(model.state_dict(), reader.read_metadata()))
+    reader = HFStorageReader(url, storage_options=options, num_threads=job.threads, cooperate=COOPERATE[job.contender])
+    items = HFMappingPlanner(model).plan_reads(model.state_dict(), reader.read_metadata())
     del model
+    if reader.cooperating:  # the floor: every needed byte once, each span by its owner
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, items)  # the bench's own plan exchange: ReadItems it made itself
+        spans, _ = reader.plan_spans(every)
+        size = reader.request_bytes
+        requests = [(spans.files[int(spans.file[i])], Request(start, min(start + size, int(spans.end[i])), ()))
+                    for i in spans.owned(rank).tolist() for start in range(int(spans.start[i]), int(spans.end[i]), size)]
+    else:
+        requests = reader.plan_requests(items)
     prefix = url.removeprefix(f"s3://{BUCKET}/")
     client = _boto3_client(options["client_kwargs"]["endpoint_url"], job.threads)
 
@@ -313,7 +325,7 @@ def needed_bytes(job: Job, reference: str) -> dict[str, int]:
     from hp_dcp_hf import HFMappingPlanner, HFStorageReader
 
     model = build(job, materialize=False)
-    reader = HFStorageReader(reference, replicas="never")
+    reader = HFStorageReader(reference, cooperate="never")
     mine = plan_ranges(HFMappingPlanner(model).plan_reads(model.state_dict(), reader.read_metadata()), reader.entries)
     every: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
@@ -426,8 +438,8 @@ def _layout(mesh: dict[str, int], rows: list[dict[str, Any]], needed: dict[str, 
         if record["contender"].startswith("dcp") and not record.get("error"):
             record["header_bytes"] = sum(r.get("header_bytes") or 0 for r in mine)
             record["exchange"] = [e.get("exchange") for e in extras]
-            record["peer_bytes_in"] = [e.get("peer_bytes_in") for e in extras]
-            record["shared_targets"] = max(e.get("shared_targets") or 0 for e in extras)
+            record["own_bytes"] = [e.get("own_bytes") for e in extras]
+            record["spans"] = extras[0].get("spans")
         else:
             record["correct"] = None
         record.pop("extra", None)
