@@ -20,6 +20,7 @@ from hp_dcp_hf.storage.spans import (
     decode_needs,
     encode_needs,
     needed_union,
+    runs,
     traffic,
 )
 
@@ -99,6 +100,30 @@ def test_spans_cover_exactly_the_bytes_some_rank_needs_and_streams_agree(cluster
     shares = traffic(plan, tensors, needs_by_rank, request_bytes=32)
     assert sum(t.sent for t in shares) == sum(t.received for t in shares)
     assert sum(t.storage_bytes for t in shares) == plan.bytes_read()
+
+
+@settings(max_examples=150, deadline=None)
+@given(_cluster(), st.sampled_from([1, 5, 64, 4096]))
+def test_runs_carry_every_needed_byte_from_the_spans_into_the_needs_buffers(cluster, cap):
+    """Files of random bytes: every need's buffer, filled from the owners' span buffers through
+    merged runs (strided on the sender, contiguous on the receiver), holds its box's bytes."""
+    tensors, needs_by_rank, span_bytes = cluster
+    plan = ClusterPlan.build(tensors, needs_by_rank, FILES, span_bytes=span_bytes)
+    size = max(t.data_start + t.nbytes for t in tensors)
+    generator = torch.Generator().manual_seed(cap)
+    files = [torch.randint(0, 256, (size,), dtype=torch.uint8, generator=generator) for _ in FILES]
+    spans = [files[f][s:e] for f, s, e in zip(plan.file.tolist(), plan.start.tolist(), plan.end.tolist())]
+    for needs in needs_by_rank:
+        buffers = [torch.zeros(n.box.numel * tensors[n.tensor].itemsize, dtype=torch.uint8) for n in needs]
+        merged = runs(plan.route(needs, tensors), cap)
+        assert all(r.nbytes <= cap for r in merged)
+        for r in merged:
+            sent = Region(r.span, r.start - int(plan.start[r.span]), r.nbytes, r.rows, r.stride).view(spans[r.span])
+            Region(r.need, r.offset, r.nbytes).view(buffers[r.need]).copy_(sent.reshape(1, -1))
+        for need, buffer in zip(needs, buffers):
+            t = tensors[need.tensor]
+            stored = files[t.file][t.data_start : t.data_start + t.nbytes].view(*t.shape, t.itemsize)
+            assert torch.equal(buffer, stored[need.box.slices()].reshape(-1))
 
 
 def test_a_need_lands_at_the_offsets_of_its_own_buffer():

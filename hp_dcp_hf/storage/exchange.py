@@ -25,11 +25,22 @@ from hp_dcp_hf.storage.broadcast import collective_device
 
 @dataclass(frozen=True)
 class Region:
-    """Bytes ``[offset, offset + nbytes)`` of buffer ``key`` (a span on the sender, a need on the receiver)."""
+    """Bytes of buffer ``key`` (a span on the sender, a need on the receiver): ``[offset, offset +
+    nbytes)``, or with ``rows > 1`` that many runs of ``nbytes / rows`` bytes, ``stride`` apart
+    (a block of rows of a row-sharded box, in a span's bytes)."""
 
     key: int
     offset: int
     nbytes: int
+    rows: int = 1
+    stride: int = 0
+
+    def view(self, buffer: torch.Tensor) -> torch.Tensor:
+        """The region's bytes in ``buffer`` (flat uint8), as ``(rows, nbytes / rows)``."""
+        run = self.nbytes // self.rows
+        if self.rows == 1:
+            return buffer[self.offset : self.offset + self.nbytes].view(1, run)
+        return buffer[self.offset :].as_strided((self.rows, run), (self.stride, 1))
 
 
 class ReadProgress:
@@ -62,9 +73,10 @@ class ReadProgress:
 
 
 class Stream:
-    """Consecutive regions walked by a cursor. ``buffer(key)`` gives a region's buffer (flat
-    uint8); ``ready(key)`` whether a sender may take it yet; ``moved(key, nbytes)`` is told of
-    every part copied (the receiver finishes needs with it, the sender frees spans)."""
+    """Consecutive regions walked a whole region at a time (both ends cut a stream at the same
+    region borders, so none is ever split). ``buffer(key)`` gives a region's buffer (flat uint8);
+    ``ready(key)`` whether a sender may take it yet; ``moved(key, nbytes)`` is told of every region
+    copied (the receiver finishes needs with it, the sender frees spans)."""
 
     def __init__(
         self,
@@ -77,44 +89,41 @@ class Stream:
         self.buffer, self.moved, self.ready = buffer, moved, ready
         self.total = sum(r.nbytes for r in self.regions)
         self.done = 0
-        self._index = self._offset = 0
+        self._index = 0
 
     @property
     def finished(self) -> bool:
         return self.done == self.total
 
-    def _walk(self, nbytes: int):
-        while nbytes and self._index < len(self.regions):
-            region = self.regions[self._index]
-            if self.ready is not None and not self.ready(region.key):
-                return
-            take = min(nbytes, region.nbytes - self._offset)
-            start = region.offset + self._offset
-            yield region.key, self.buffer(region.key)[start : start + take]
-            self._offset += take
-            self.done += take
-            nbytes -= take
-            if self._offset == region.nbytes:
-                self._index, self._offset = self._index + 1, 0
-
     def take_into(self, out: torch.Tensor, nbytes: int) -> int:
-        """Copy up to ``nbytes`` of the ready regions into ``out``; how many."""
+        """Copy the next ready regions, as many as fit in ``nbytes``, into ``out``; how many bytes."""
         position = 0
-        for key, part in self._walk(nbytes):
-            out[position : position + part.numel()].copy_(part)
-            position += part.numel()
-            self.moved(key, part.numel())
+        while self._index < len(self.regions):
+            region = self.regions[self._index]
+            if position + region.nbytes > nbytes or (self.ready is not None and not self.ready(region.key)):
+                break
+            out[position : position + region.nbytes].view(region.rows, -1).copy_(region.view(self.buffer(region.key)))
+            position += region.nbytes
+            self._index += 1
+            self.moved(region.key, region.nbytes)
+        self.done += position
         return position
 
     def put(self, data: torch.Tensor) -> None:
-        if data.numel() > self.total - self.done:
-            raise StorageReadError(f"{data.numel()} bytes, more than the {self.total - self.done} still "
-                                   "expected: the ranks planned differently")
+        """Copy ``data`` (whole regions, in order) into the next regions."""
         position = 0
-        for key, region in self._walk(data.numel()):
-            region.copy_(data[position : position + region.numel()])
-            position += region.numel()
-            self.moved(key, region.numel())
+        while position < data.numel():
+            if self._index == len(self.regions):
+                raise StorageReadError(f"{data.numel() - position} bytes more than expected: the ranks planned "
+                                       "differently")
+            region = self.regions[self._index]
+            if position + region.nbytes > data.numel():
+                raise StorageReadError("a region arrived cut: the ranks planned differently")
+            region.view(self.buffer(region.key)).copy_(data[position : position + region.nbytes].view(region.rows, -1))
+            position += region.nbytes
+            self._index += 1
+            self.moved(region.key, region.nbytes)
+        self.done += position
 
 
 @dataclass

@@ -29,20 +29,26 @@ def _runs(shape: Sequence[int], itemsize: int, box: Box) -> tuple[int, list[int]
     return (cut[-1] if cut else -1), [math.prod(shape[d + 1 :]) * itemsize for d in range(len(shape))]
 
 
-def box_byte_ranges(shape: Sequence[int], itemsize: int, box: Box) -> list[tuple[int, int]]:
-    """``[start, end)`` byte ranges (relative to the tensor's first byte) of ``box``, in row-major order."""
+def box_byte_runs(shape: Sequence[int], itemsize: int, box: Box) -> tuple[np.ndarray, int]:
+    """The starts (relative to the tensor's first byte, row-major order) of ``box``'s byte ranges,
+    which all have the returned length: :func:`box_byte_ranges` as arrays."""
     runs = _runs(shape, itemsize, box)
     if runs is None:
-        return []
+        return np.zeros(0, dtype=np.int64), 0
     last, strides = runs
     if last < 0:
-        return [(0, math.prod(shape) * itemsize)]
-    run = box.sizes[last] * strides[last]
+        return np.zeros(1, dtype=np.int64), math.prod(shape) * itemsize
     # Start of every run: the outer dims' indices, expanded in row-major order.
     starts = np.array([box.offsets[last] * strides[last]], dtype=np.int64)
     for d in range(last - 1, -1, -1):
         rows = np.arange(box.offsets[d], box.ends[d], dtype=np.int64) * strides[d]
         starts = (rows[:, None] + starts[None, :]).ravel()
+    return starts, box.sizes[last] * strides[last]
+
+
+def box_byte_ranges(shape: Sequence[int], itemsize: int, box: Box) -> list[tuple[int, int]]:
+    """``[start, end)`` byte ranges (relative to the tensor's first byte) of ``box``, in row-major order."""
+    starts, run = box_byte_runs(shape, itemsize, box)
     return [(s, s + run) for s in starts.tolist()]
 
 

@@ -30,7 +30,7 @@ from hp_dcp_hf.storage.copy import copy_into
 from hp_dcp_hf.storage.exchange import ExchangeStats, ReadProgress, Region, Stream, exchange
 from hp_dcp_hf.storage.header import TensorEntry
 from hp_dcp_hf.storage.location import CheckpointLocation
-from hp_dcp_hf.storage.spans import ClusterPlan, Need, StoredTensor, decode_needs, encode_needs
+from hp_dcp_hf.storage.spans import ClusterPlan, Need, Run, StoredTensor, decode_needs, encode_needs, runs
 from hp_dcp_hf.storage.stats import ReadStats
 
 
@@ -213,32 +213,32 @@ def read_spans(
     incoming = plan.route(mine, tensors)
     own = incoming.select(incoming.owner == rank)
     load.own_bytes = own.nbytes
-    pending: dict[int, int] = defaultdict(int)
-    for span, start, end in zip(own.span.tolist(), own.start.tolist(), own.end.tolist()):
-        pending[span] += end - start
     target = _Needs(chunks, byte_view, finished)
-    receives = [_regions(incoming.select(incoming.owner == peer), key="need") if peer != rank else []
+    from_peers = [incoming.select(incoming.owner == peer) if peer != rank else None for peer in range(world)]
+    to_peers = [plan.route(needs[peer], tensors, within=owned) if peer != rank and len(owned) else None
                 for peer in range(world)]
-    outgoing: list[list[Region]] = []
-    for peer in range(world):
-        if peer == rank or not len(owned):
-            outgoing.append([])
-            continue
-        routed = plan.route(needs[peer], tensors, within=owned)
-        for span, start, end in zip(routed.span.tolist(), routed.start.tolist(), routed.end.tolist()):
-            pending[span] += end - start
-        outgoing.append(_regions(routed, key="span", plan=plan))
-    degree = torch.tensor([max(sum(1 for r in outgoing if r), sum(1 for r in receives if r))], dtype=torch.int64,
-                          device=collective_device())
-    dist.all_reduce(degree, op=dist.ReduceOp.MAX)
-    chunk = max(1, budget // (2 * max(1, int(degree.item()))))
-
+    # Every rank sends each peer at most `chunk` bytes a round: the budget over twice the most peers
+    # any rank sends to or receives from, so no rank moves more than the budget a round.
+    degree = max(sum(1 for r in to_peers if r is not None and r.nbytes),
+                 sum(1 for r in from_peers if r is not None and r.nbytes))
+    most = torch.tensor([degree], dtype=torch.int64, device=collective_device())
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)
+    chunk = max(1, budget // (2 * max(1, int(most.item()))))
+    receives = [[Region(r.need, r.offset, r.nbytes) for r in runs(routed, chunk)] if routed is not None else []
+                for routed in from_peers]
+    outgoing = [[_in_span(plan, r) for r in runs(routed, chunk)] if routed is not None else [] for routed in to_peers]
+    own_runs: dict[int, list[Run]] = defaultdict(list)
+    for r in runs(own, chunk):
+        own_runs[r.span].append(r)
+    pending: dict[int, int] = defaultdict(int)  # span -> its bytes still to copy here or send
+    for regions in (*outgoing, [_in_span(plan, r) for rs in own_runs.values() for r in rs]):
+        for region in regions:
+            pending[region.key] += region.nbytes
     load.seconds["spans"] = time.perf_counter() - began
     spans = _Spans(plan, owned, pending, window=max(4 * budget, 2 * int((plan.end - plan.start).max(initial=0))))
     progress = ReadProgress()
     sends = [Stream(r, spans.buffer, spans.moved, progress.ready) for r in outgoing]
     streams = [Stream(r, target.buffer, target.moved) for r in receives]
-    own_parts = _by_span(own)
     outcome: dict[str, Any] = {"stats": ExchangeStats()}
 
     def run_exchange() -> None:
@@ -253,7 +253,7 @@ def read_spans(
     thread.start()
     error: BaseException | None = None
     try:
-        _read_owned(location, table, plan, spans, own_parts, target, progress, request_bytes, threads,
+        _read_owned(location, table, plan, spans, own_runs, target, progress, request_bytes, threads,
                     stats, log, direct_io, stop=lambda: "error" in outcome or outcome["stats"].aborted)
     except BaseException as e:  # noqa: BLE001 - every rank learns of it through the exchange
         error = e
@@ -270,26 +270,13 @@ def read_spans(
     return load
 
 
-def _regions(routed, *, key: str, plan: ClusterPlan | None = None) -> list[Region]:
-    """A stream's regions: in the receiver's need buffers (``key="need"``) or the sender's span buffers."""
-    if key == "need":
-        return [Region(n, o, e - s) for n, o, s, e in
-                zip(routed.need.tolist(), routed.offset.tolist(), routed.start.tolist(), routed.end.tolist())]
-    assert plan is not None
-    return [Region(span, s - int(plan.start[span]), e - s) for span, s, e in
-            zip(routed.span.tolist(), routed.start.tolist(), routed.end.tolist())]
+def _in_span(plan: ClusterPlan, run: Run) -> Region:
+    """Where ``run``'s bytes are in its span's buffer."""
+    return Region(run.span, run.start - int(plan.start[run.span]), run.nbytes, run.rows, run.stride)
 
 
-def _by_span(own) -> dict[int, list[tuple[int, int, int, int]]]:
-    """This rank's own parts inside its own spans, per span: ``(need, offset, start, end)``."""
-    parts: dict[int, list[tuple[int, int, int, int]]] = defaultdict(list)
-    for span, need, offset, start, end in zip(own.span.tolist(), own.need.tolist(), own.offset.tolist(),
-                                              own.start.tolist(), own.end.tolist()):
-        parts[span].append((need, offset, start, end))
-    return parts
-
-
-def _read_owned(location, table, plan, spans: _Spans, own_parts, target: _Needs, progress: ReadProgress,
+def _read_owned(location, table, plan, spans: _Spans, own_runs: dict[int, list[Run]], target: _Needs,
+                progress: ReadProgress,
                 request_bytes: int, threads: int, stats: ReadStats, log, direct_io: bool,
                 stop: Callable[[], bool]) -> None:
     """Read every owned span (requests of at most ``request_bytes``, ``threads`` at once); as each
@@ -300,13 +287,14 @@ def _read_owned(location, table, plan, spans: _Spans, own_parts, target: _Needs,
     failed = threading.Event()
 
     def finish(span: int, buffer: torch.Tensor) -> None:
-        base = int(plan.start[span])
         stats.add(plan.files[int(plan.file[span])], bytes_read=spans.size(span),
                   bytes_needed=int(plan.needed[span]), ranges=1, requests=requests[span])
-        for need, offset, start, end in own_parts.get(span, ()):
-            target.buffer(need)[offset : offset + end - start].copy_(buffer[start - base : end - base])
-            target.moved(need, end - start)
-            spans.moved(span, end - start)
+        for run in own_runs.get(span, ()):
+            source = _in_span(plan, run)
+            mine = target.buffer(run.need)[run.offset : run.offset + run.nbytes]
+            mine.view(run.rows, -1).copy_(source.view(buffer))
+            target.moved(run.need, run.nbytes)
+            spans.moved(span, run.nbytes)
         progress.read(span)
         spans.read(span)
 

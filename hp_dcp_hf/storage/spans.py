@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hp_dcp_hf.box import Box
-from hp_dcp_hf.storage.ranges import box_byte_ranges, box_span
+from hp_dcp_hf.storage.ranges import box_byte_ranges, box_byte_runs, box_span
 
 SPAN_BYTES = 8 * 2**20
 """Smallest span where the needed bytes run that long: a request moves several MiB per round trip."""
@@ -246,18 +246,16 @@ class ClusterPlan:
             selected[within] = True
         file, start, end, need, offset = [], [], [], [], []
         for index, item in enumerate(needs):
-            f = tensors[item.tensor].file
-            if selected is not None and not self._touches(f, *_extent(item, tensors), selected):
+            tensor = tensors[item.tensor]
+            if selected is not None and not self._touches(tensor.file, *_extent(item, tensors), selected):
                 continue
-            position = 0
-            for s, e in _ranges(item, tensors):
-                file.append(f)
-                start.append(s)
-                end.append(e)
-                need.append(index)
-                offset.append(position)
-                position += e - s
-        parts = [np.asarray(a, dtype=np.int64) for a in (file, start, end, need, offset)]
+            starts, run = box_byte_runs(tensor.shape, tensor.itemsize, item.box)
+            file.append(np.full(len(starts), tensor.file, dtype=np.int64))
+            start.append(starts + tensor.data_start)
+            end.append(starts + (tensor.data_start + run))
+            need.append(np.full(len(starts), index, dtype=np.int64))
+            offset.append(np.arange(len(starts), dtype=np.int64) * run)
+        parts = [np.concatenate(a) if a else np.zeros(0, dtype=np.int64) for a in (file, start, end, need, offset)]
         order = np.lexsort((parts[1], parts[0]))  # stable: ties keep need order
         file_, start_, end_, need_, offset_ = (a[order] for a in parts)
         routed = self._split(file_, start_, end_, need_, offset_)
@@ -384,3 +382,45 @@ def traffic(plan: ClusterPlan, tensors: Sequence[StoredTensor], needs_by_rank: S
     requests = -(-sizes // request_bytes)
     return [Traffic(int(sizes[plan.owner == r].sum()), int(requests[plan.owner == r].sum()), received[r],
                     int(sent[r])) for r in range(plan.world)]
+
+
+@dataclass(frozen=True)
+class Run:
+    """Parts of one need inside one span merged: ``rows`` ranges of ``nbytes / rows`` bytes, the
+    first at byte ``start`` of the file, each ``stride`` after the previous one, landing one after
+    the other from byte ``offset`` of the need's buffer (a block of a row-sharded box is one run)."""
+
+    span: int
+    need: int
+    offset: int
+    start: int
+    nbytes: int
+    rows: int
+    stride: int
+
+
+def runs(routed: Routed, cap: int) -> list[Run]:
+    """``routed``'s parts merged into :class:`Run` s of at most ``cap`` bytes (or one part, cut to
+    ``cap``): consecutive parts of one need in one span, of one length, contiguous in the need's
+    buffer and evenly spaced in the file. Sender and receiver merge the same parts the same way."""
+    out: list[Run] = []
+    span, need, start, end, offset = (a.tolist() for a in (routed.span, routed.need, routed.start, routed.end,
+                                                           routed.offset))
+    i, count = 0, len(start)
+    while i < count:
+        length = end[i] - start[i]
+        if length >= cap:  # one long range: contiguous pieces of at most cap
+            for lo in range(0, length, cap):
+                out.append(Run(span[i], need[i], offset[i] + lo, start[i] + lo, min(cap, length - lo), 1, 0))
+            i += 1
+            continue
+        j, stride = i + 1, start[i + 1] - start[i] if i + 1 < count else 0
+        limit = max(1, cap // length)
+        while (j < count and j - i < limit and span[j] == span[i] and need[j] == need[i]
+               and end[j] - start[j] == length and offset[j] == offset[j - 1] + length
+               and start[j] - start[j - 1] == stride):
+            j += 1
+        rows = j - i
+        out.append(Run(span[i], need[i], offset[i], start[i], rows * length, rows, stride if rows > 1 else 0))
+        i = j
+    return out

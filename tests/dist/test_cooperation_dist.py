@@ -300,7 +300,7 @@ def _overlap(rank: int, world: int) -> dict:
     received = {s: torch.zeros(8, dtype=torch.uint8) for s in (0, 1)}
     moved: list[tuple[int, int]] = []
     progress = ReadProgress()
-    regions = [Region(0, 0, 8), Region(1, 0, 8)]
+    regions = [Region(span, offset, 4) for span in (0, 1) for offset in (0, 4)]  # whole regions, 4 a round
     sends = [Stream(regions, spans.__getitem__, lambda k, n: None, progress.ready) if p == peer else Stream([], None, None)
              for p in range(world)]
     receives = [Stream(regions, received.__getitem__, lambda k, n: moved.append((k, n))) if p == peer
