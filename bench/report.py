@@ -137,11 +137,18 @@ def evaluate_targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
                    f"{r['composition_s']:.2f} s of it; the rank's own items {r.get('items_s_max', float('nan')):.2f} s")
             out.append(_target(f"{sim['arch']} {r['layout']}: 1024-rank plan <= 0.5 s per rank", ok,
                                f"{r['plan_s_max']:.2f} s", why))
-            if "coop_plan_s_max" in r:
-                out.append(_target(f"{sim['arch']} {r['layout']}: 1024-rank cooperative plan < 5 s per rank",
-                                   r["coop_plan_s_max"] < 5, f"{r['coop_plan_s_max']:.2f} s (composition "
-                                   f"{r['coop_composition_s']:.2f} s; cluster reads {r['coop_cluster_factor']:.4f}x "
-                                   f"the checkpoint, exchanges {human(r['exchanged_bytes'])})"))
+            if "spans_plan_s_max" in r:
+                worst = max(r["spans_timings"], key=lambda t: t["spans_s"])
+                out.append(_target(
+                    f"{sim['arch']} {r['layout']}: 1024-rank span plan (build + route own + route others) "
+                    f"<= {r['spans_target_s']} s per rank", r["spans_plan_s_max"] <= r["spans_target_s"],
+                    f"{r['spans_plan_s_max']:.2f} s (build {worst['build_s']:.2f}, route own {worst['route_own_s']:.3f}, "
+                    f"route others {worst['route_others_s']:.2f}; decoding the gathered needs {worst['decode_s']:.2f} "
+                    "more)", "" if r["spans_plan_s_max"] <= r["spans_target_s"] else "profile below"))
+                out.append(_target(f"{sim['arch']} {r['layout']}: 1024-rank span plan reads each needed byte once",
+                                   r["spans_read_over_needed"] == 1.0,
+                                   f"{r['spans_read_over_needed']:.4f}x the needed union; "
+                                   f"{r['spans_cluster_factor']:.4f}x the checkpoint"))
     return out
 
 
@@ -191,10 +198,8 @@ def loads_table(doc: dict[str, Any], worlds: set[int] | None = None) -> str:
 def simulate_table(doc: dict[str, Any]) -> str:
     head = ("| model | layout | ranks | mesh | bytes / rank max (mean) | cluster / ckpt | one replica / ckpt | "
             "legacy cluster / ckpt | plan s / rank (composition) | items s (reused composition) | plan peak mem | "
-            "pickled plan / rank | items / ranges per rank | planner = closed form | cooperating: bytes / rank max "
-            "(mean) | cooperating: cluster / ckpt | "
-            "exchanged (cluster; per rank max in / out) | coop plan s / rank (items s) | coop planner = closed form |")
-    lines = [head, "|" + "|".join("---" for _ in range(19)) + "|"]
+            "pickled plan / rank | items / ranges per rank | planner = closed form |")
+    lines = [head, "|" + "|".join("---" for _ in range(14)) + "|"]
     for sim in doc.get("simulate", []):
         for r in sim.get("results", []):
             plan = f"{r['plan_s_max']:.2f} ({r['composition_s']:.2f})" if "plan_s_max" in r else "-"
@@ -205,19 +210,65 @@ def simulate_table(doc: dict[str, Any]) -> str:
                 _fmt(r.get("items_s_max"), "s"), _fmt(r.get("plan_peak_bytes"), "b"),
                 _fmt(r.get("pickled_plan_bytes_max"), "b"),
                 f"{r.get('read_items_max', '-')} / {r.get('ranges_max', '-')}",
-                "yes" if r["planner_matches_closed_form"] else "**NO**", *_cooperative_cells(r)]) + " |")
+                "yes" if r["planner_matches_closed_form"] else "**NO**"]) + " |")
     return "\n".join(lines)
 
 
-def _cooperative_cells(r: dict[str, Any]) -> list[str]:
-    """The simulation's cooperative columns; dashes for a result from before they existed."""
-    if "coop_cluster_factor" not in r:
-        return ["-"] * 5
-    plan = f"{r['coop_plan_s_max']:.2f}" if "coop_plan_s_max" in r else "-"
-    mean = f" ({human(r['coop_bytes_per_rank_mean'])})" if "coop_bytes_per_rank_mean" in r else ""
-    return [human(r["coop_bytes_per_rank_max"]) + mean, f"{r['coop_cluster_factor']:.4f}",
-            f"{human(r['exchanged_bytes'])}; {human(r['received_per_rank_max'])} / {human(r['sent_per_rank_max'])}",
-            f"{plan} ({_fmt(r.get('coop_items_s_max'), 's')})", "yes" if r["coop_matches_closed_form"] else "**NO**"]
+def spans_table(doc: dict[str, Any]) -> str:
+    """The simulation's span ownership (every rank planned): one row per world and layout that has it."""
+    head = ("| model | layout | ranks | needs (all ranks; per rank max) | needs gathered: per rank max / all ranks "
+            "(padded) | spans | cluster reads / ckpt (/ needed) | storage / rank max (mean) | received / rank max "
+            "(mean) | sent / rank max (mean) | span plan s / rank: build + route own + route others (+ decode) | "
+            "items s / rank, all ranks | needs = closed form |")
+    lines = [head, "|" + "|".join("---" for _ in range(13)) + "|"]
+    for sim in doc.get("simulate", []):
+        for r in sim.get("results", []):
+            if "spans_plan_s_max" not in r:
+                continue
+            worst = max(r["spans_timings"], key=lambda t: t["spans_s"])
+            lines.append("| " + " | ".join([
+                sim["arch"], r["layout"], str(r["world"]), f"{r['needs_total']}; {r['needs_per_rank_max']}",
+                f"{human(r['needs_encoded_bytes_per_rank_max'])} / {human(r['needs_encoded_bytes_total'])} "
+                f"({human(r['needs_gathered_bytes_padded'])})", str(r["spans"]),
+                f"{r['spans_cluster_factor']:.4f} ({r['spans_read_over_needed']:.4f})",
+                f"{human(r['spans_storage_per_rank_max'])} ({human(r['spans_storage_per_rank_mean'])})",
+                f"{human(r['spans_received_per_rank_max'])} ({human(r['spans_received_per_rank_mean'])})",
+                f"{human(r['spans_sent_per_rank_max'])} ({human(r['spans_sent_per_rank_mean'])})",
+                f"**{worst['spans_s']:.2f}** = {worst['build_s']:.2f} + {worst['route_own_s']:.3f} + "
+                f"{worst['route_others_s']:.2f} (+ {worst['decode_s']:.2f}), rank {worst['rank']}",
+                f"{r['all_ranks_items_s_mean']:.3f}", "yes" if r["spans_needs_match_closed_form"] else "**NO**"]) + " |")
+    return "\n".join(lines)
+
+
+def spans_details(doc: dict[str, Any]) -> list[str]:
+    """Per layout with span ownership: every sampled rank's timings (with the load average when
+    taken) and, when the plan missed its target, the profile's top functions."""
+    out: list[str] = []
+    for sim in doc.get("simulate", []):
+        for r in sim.get("results", []):
+            if "spans_plan_s_max" not in r:
+                continue
+            out += [f"### {sim['arch']} {r['layout']} {r['world']}: span plan per sampled rank", "",
+                    "| rank | decode s | build s | route own s | route others s | build + routes s | sends | "
+                    "load average (1, 5, 15 min) |", "|---|---|---|---|---|---|---|---|"]
+            out += [f"| {t['rank']} | {t['decode_s']:.2f} | {t['build_s']:.2f} | {t['route_own_s']:.3f} | "
+                    f"{t['route_others_s']:.2f} | {t['spans_s']:.2f} | {human(t['sent_bytes'])} | "
+                    f"{', '.join(f'{x:.2f}' for x in t['load_average'])} |" for t in r["spans_timings"]]
+            out += ["", f"Needs cut to {human(r['spans_chunk_bytes'])} chunks (the reader's batch), spans of at least "
+                    f"{human(r['span_bytes'])} (largest {human(r['span_size_max'])}), gap {r['spans_gap']}, "
+                    f"{r['spans_nodes']} nodes of 8 ranks; {r['spans_owners']} ranks own spans; requests per rank max "
+                    f"{r['spans_requests_per_rank_max']}; exchanged in all {human(r['spans_exchanged_bytes'])}; "
+                    f"every rank's traffic computed in {r['spans_traffic_s']:.1f} s; a sampled rank's sends = "
+                    f"traffic: {'yes' if r['spans_sent_matches_traffic'] else '**NO**'}; every rank's items planned "
+                    f"in {r['all_ranks_items_s']:.0f} s.", ""]
+            if r.get("spans_profile"):
+                out += [f"cProfile of rank {r['spans_sampled'][0]}'s span plan (decode included; profiled, so "
+                        "slower than timed), top functions by own time:", "",
+                        "| function | calls | own s | share of own time | cumulative s |", "|---|---|---|---|---|"]
+                out += [f"| `{p['function']}` | {p['calls']} | {p['tottime_s']:.2f} | {p['share']:.1%} | "
+                        f"{p['cumtime_s']:.2f} |" for p in r["spans_profile"]]
+                out.append("")
+    return out
 
 
 def remote_layouts(remote: dict[str, Any]) -> list[dict[str, Any]]:
@@ -428,6 +479,8 @@ def render_markdown(doc: dict[str, Any]) -> str:
              "(the rank's own parameters were already resident; for transformers, which builds its model inside the "
              "call, minus its local parameter bytes); it includes checkpoint pages an mmap-based reader maps (page "
              "cache, shared), which the anonymous-memory column leaves out.", ""]
+    if doc.get("notes"):
+        parts += ["## Notes", ""] + [f"- {line}" for line in doc["notes"]] + [""]
     if doc.get("workloads"):
         parts += ["## Workloads", ""]
         parts += [f"- `{w['kind']}`: {w['model_class']}, {w['num_layers']} layers, {w['tensors']} tensors in "
@@ -452,6 +505,9 @@ def render_markdown(doc: dict[str, Any]) -> str:
                       f"\"{r['prompt']}\": {r['next_token']!r} (transformers: {r['reference_next_token']!r}).", ""]
     if doc.get("simulate"):
         parts += ["## Cluster-scale planning (simulated)", "", simulate_table(doc), ""]
+        if spans_table(doc).count("\n") > 1:
+            parts += ["## Cooperative reads by span ownership (simulated, every rank planned)", "", spans_table(doc), "",
+                      *spans_details(doc)]
     if doc.get("multinode"):
         mn = doc["multinode"]
         parts += ["## Multi-node smoke", ""]

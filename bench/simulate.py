@@ -22,24 +22,26 @@ Per world and layout:
   shards to one checkpoint element, so a rank needs ``sum(local numel x itemsize)``, from
   :func:`hp_dcp_hf.layout.shard_pieces` alone (pure); the legacy pattern reads, for every model
   tensor it holds any part of, all the checkpoint tensors that make it;
-* the same with cooperative reads (:mod:`hp_dcp_hf.parallel.cooperation`): the ranks holding the
-  same local values of a tensor (its ``Replicate`` mesh dims) each read one ``1/g`` flat share of
-  its local elements and receive the others' shares, so per rank the bytes read, received and sent follow
-  from the placements alone, and the cluster reads each needed byte once;
 * sampled ranks are planned for real by :class:`~hp_dcp_hf.HFMappingPlanner` (meta DTensors under
   torch's ``fake`` process group at that rank's number): plan time (fresh, as a real rank pays it,
   and split into the rank-independent composition and the rank's own items), plan memory
   (tracemalloc peak), pickled plan size (what DCP gathers on the coordinator), read items and
-  byte ranges, and a check that the planner's bytes equal the closed form; then planned again
-  cooperatively, with the replica groups given explicitly (``replicas=``, every rank's mesh
-  coordinates from the layout: a fake process group exchanges nothing), checking its
-  ``PlanStats`` (bytes read, received, sent) against the cooperative closed form.
+  byte ranges, and a check that the planner's bytes equal the closed form;
+* cooperative reads by span ownership (:mod:`hp_dcp_hf.storage.spans`): *every* rank's read items
+  are planned (the traced composition reused; items only), each turned into the needs a
+  cooperative ``read_data`` gathers (the item's box of its stored tensor, cut as the reader cuts
+  its chunks, sorted by file and first byte), checked against the closed form on every rank.
+  For sampled ranks, what one real rank pays before its first read is timed: decoding the others'
+  needs, :meth:`~hp_dcp_hf.storage.spans.ClusterPlan.build` over all of them, routing its own
+  needs, and routing every other rank's needs into its own spans (what it sends); then the spans,
+  the bytes the cluster reads against the checkpoint, the gathered needs' size, and per rank the
+  bytes read from storage, received and sent (:func:`~hp_dcp_hf.storage.spans.traffic`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
+import os
 import pickle
 import statistics
 import time
@@ -183,44 +185,22 @@ def _local_shape(shape: tuple[int, ...], mesh: tuple[int, ...], coord: tuple[int
     return local_shape(shape, mesh, coord, places), sum(p.global_box.numel for p in shard_pieces(shape, mesh, coord, places))
 
 
-def replica_slot(layout: Layout, kind: str, rank: int, places: Sequence[Placement]) -> tuple[int, int]:
-    """``(index, count)``: the rank's place among the ranks holding its local values (those that
-    differ from it only on ``Replicate`` dims; in rank order, which is row-major order of those
-    coordinates) and how many they are."""
-    mesh, coord = (layout.dense if kind == "dense" else layout.experts), layout.coordinate(kind, rank)
-    index, count = 0, 1
-    for size, c, place in zip(mesh, coord, places):
-        if place.is_replicate():
-            index, count = index * size + c, count * size
-    return index, count
-
-
 def closed_form(ckpt: Checkpoint, layout: Layout, sources: dict[str, tuple[int, ...]]) -> dict[str, list[int]]:
-    """Per rank: bytes this project reads, and bytes the legacy pattern reads (whole sources); and
-    cooperating: bytes read (the rank's flat share of each replicated tensor's local elements, as
-    :meth:`~hp_dcp_hf.parallel.cooperation.SharedTarget.elements` cuts them), received and sent."""
+    """Per rank: bytes this project reads, and bytes the legacy pattern reads (whole sources)."""
     targets = [(name, tuple(t.shape), t.dtype.itemsize, layout.placements(name, t.ndim))
                for name, t in ckpt.model.state_dict().items()]
     source_bytes = {name: sum(ckpt.entries[k].nbytes for k in keys) for name, keys in sources.items()}
-    out: dict[str, list[int]] = {"ours": [], "legacy": [], "coop": [], "peer_in": [], "peer_out": []}
+    out: dict[str, list[int]] = {"ours": [], "legacy": []}
     for rank in range(layout.world):
         coords = {"dense": layout.coordinate("dense", rank), "experts": layout.coordinate("experts", rank)}
-        mine = theirs = coop = peer_in = peer_out = 0
+        mine = theirs = 0
         for name, shape, itemsize, (kind, places) in targets:
             mesh = layout.dense if kind == "dense" else layout.experts
             _, numel = _local_shape(shape, mesh, coords[kind], places)
             mine += numel * itemsize
             theirs += source_bytes[name] if numel else 0
-            index, count = replica_slot(layout, kind, rank, places)
-            if numel and count > 1 and numel >= count:
-                part = ((index + 1) * numel // count - index * numel // count) * itemsize
-                coop += part
-                peer_in += numel * itemsize - part
-                peer_out += part * (count - 1)
-            else:
-                coop += numel * itemsize
-        for key, value in zip(out, (mine, theirs, coop, peer_in, peer_out)):
-            out[key].append(value)
+        out["ours"].append(mine)
+        out["legacy"].append(theirs)
     return out
 
 
@@ -278,35 +258,20 @@ def composition_of(ckpt: Checkpoint):
     return _COMPOSITIONS[id(ckpt)]
 
 
-def replica_groups(layout: Layout, rank: int):
-    """The :class:`~hp_dcp_hf.parallel.replicas.ReplicaGroups` a real rank would gather, from the
-    layout's coordinates of every rank (:func:`rank_state_dict`'s meshes have no dim names, so a
-    mesh kind is ``(None, shape)``; two kinds of the same shape have the same coordinates)."""
-    from hp_dcp_hf.parallel.replicas import ReplicaGroups
-
-    kinds = {(None, layout.dense): "dense", (None, layout.experts): "experts"}
-    every = [{kind: layout.coordinate(which, r) for kind, which in kinds.items()} for r in range(layout.world)]
-    return ReplicaGroups(rank, layout.world, every)
-
-
-def plan_rank(ckpt: Checkpoint, layout: Layout, rank: int, *, composition: Any = None, memory: bool = False,
-              cooperate: bool = False) -> dict[str, Any]:
+def plan_rank(ckpt: Checkpoint, layout: Layout, rank: int, *, composition: Any = None,
+              memory: bool = False) -> dict[str, Any]:
     """Plan one rank with the real planner (``composition``: traced already, or None to trace it
-    in the timed plan, as every real rank does; ``cooperate``: as a cooperative reader asks, the
-    replica groups given, not gathered); times, sizes and counts."""
+    in the timed plan, as every real rank does); times, sizes and counts."""
     from bench.limit import plan_ranges
     from hp_dcp_hf import HFMappingPlanner
-    from hp_dcp_hf.parallel.cooperation import COOPERATE
 
-    metadata = dataclasses.replace(ckpt.metadata, planner_data={COOPERATE: True}) if cooperate else ckpt.metadata
     with fake_rank(rank, layout.world):
         state = rank_state_dict(ckpt, layout, rank)
-        replicas = replica_groups(layout, rank) if cooperate else None
-        planner = HFMappingPlanner(ckpt.model, composition=composition, replicas=replicas)
+        planner = HFMappingPlanner(ckpt.model, composition=composition)
         if memory:
             tracemalloc.start()
         start = time.perf_counter()
-        items = planner.plan_reads(state, metadata)
+        items = planner.plan_reads(state, ckpt.metadata)
         seconds = time.perf_counter() - start
         peak = tracemalloc.get_traced_memory()[1] if memory else None
         if memory:
@@ -315,8 +280,16 @@ def plan_rank(ckpt: Checkpoint, layout: Layout, rank: int, *, composition: Any =
     return {"rank": rank, "plan_s": seconds, "plan_peak_bytes": peak, "read_items": len(items),
             "ranges": sum(len(r) for r in ranges.values()), "files": len(ranges),
             "pickled_plan_bytes": len(pickle.dumps(items)), "bytes_needed": planner.stats.bytes_needed,
-            "deferred_bytes": planner.stats.deferred_bytes, "shared_targets": planner.stats.shared_targets,
-            "peer_bytes_in": planner.stats.peer_bytes_in, "peer_bytes_out": planner.stats.peer_bytes_out}
+            "deferred_bytes": planner.stats.deferred_bytes}
+
+
+def plan_items(ckpt: Checkpoint, layout: Layout, rank: int, composition: Any) -> list[Any]:
+    """Only the rank's read items (``composition`` reused): the least one rank of a full world costs."""
+    from hp_dcp_hf import HFMappingPlanner
+
+    with fake_rank(rank, layout.world):
+        state = rank_state_dict(ckpt, layout, rank)
+        return HFMappingPlanner(ckpt.model, composition=composition).plan_reads(state, ckpt.metadata)
 
 
 def sample_ranks(world: int, count: int) -> list[int]:
@@ -326,11 +299,182 @@ def sample_ranks(world: int, count: int) -> list[int]:
     return sorted({round(i * (world - 1) / max(1, count - 1)) for i in range(count)})
 
 
+# -- span ownership over every rank ------------------------------------------------------------------------
+
+
+def chunk_bytes() -> int:
+    """The most bytes of one chunk a cooperative read's needs are cut to, and of one span request:
+    :class:`~hp_dcp_hf.HFStorageReader`'s batch on a local store, with its default settings."""
+    import inspect
+
+    from hp_dcp_hf import HFStorageReader
+
+    defaults = inspect.signature(HFStorageReader.__init__).parameters
+    share = defaults["staging_bytes"].default // defaults["num_threads"].default
+    return share - share % 16  # the reader's _ALIGN
+
+
+def stored_table(ckpt: Checkpoint):
+    """The :class:`~hp_dcp_hf.storage.span_reads.StoredTable` a reader builds of ``ckpt``: files by
+    name, tensors by file and first byte."""
+    from hp_dcp_hf.storage.catalog import assemble
+    from hp_dcp_hf.storage.span_reads import StoredTable
+
+    return StoredTable.of({key: assemble(key, [entry]) for key, entry in ckpt.entries.items()})
+
+
+def needs_of(items: Sequence[Any], ckpt: Checkpoint, table: Any, tensors: Sequence[Any], budget: int) -> list[Any]:
+    """A rank's needs as its cooperative ``read_data`` tells them: every read item's box of its
+    (whole, one-part) stored tensor, cut to ``budget`` bytes as the reader cuts its chunks, sorted by
+    file and first byte."""
+    from hp_dcp_hf.box import Box
+    from hp_dcp_hf.storage.ranges import box_span, split_box
+    from hp_dcp_hf.storage.spans import Need
+
+    keyed = []
+    for item in items:
+        entry = ckpt.entries[item.storage_index.fqn]
+        box = Box(tuple(item.storage_offsets), tuple(item.lengths))
+        if box.is_empty():
+            continue
+        index = table.index[entry.key, entry.file, entry.data_start]
+        for part in split_box(box, entry.itemsize, budget, entry.shape):
+            first = entry.data_start + box_span(entry.shape, entry.itemsize, part)[0]
+            keyed.append(((tensors[index].file, first), Need(index, part)))
+    keyed.sort(key=lambda pair: pair[0])
+    return [need for _, need in keyed]
+
+
+def every_rank_needs(ckpt: Checkpoint, layout: Layout, composition: Any, table: Any, tensors: Sequence[Any],
+                     budget: int, log: Callable[[str], None]) -> tuple[list[list[Any]], dict[str, Any]]:
+    """Every rank's needs (its items planned for real, nothing else kept), with progress lines."""
+    needs, items_count, started = [], [], time.perf_counter()
+    step = max(1, layout.world // 16)
+    for rank in range(layout.world):
+        items = plan_items(ckpt, layout, rank, composition)
+        items_count.append(len(items))
+        needs.append(needs_of(items, ckpt, table, tensors, budget))
+        if (rank + 1) % step == 0 or rank + 1 == layout.world:
+            spent = time.perf_counter() - started
+            log(f"      planned {rank + 1}/{layout.world} ranks in {spent:.0f} s "
+                f"(~{spent * (layout.world - rank - 1) / (rank + 1):.0f} s left)")
+    spent = time.perf_counter() - started
+    return needs, {"all_ranks_items_s": spent, "all_ranks_items_s_mean": spent / layout.world,
+                   "read_items_per_rank_max": max(items_count), "needs_per_rank_max": max(map(len, needs)),
+                   "needs_total": sum(map(len, needs))}
+
+
+def rank_spans(rank: int, mine: Sequence[Any], encoded: Sequence[Any], tensors: Sequence[Any], files: Sequence[str],
+               nodes: Sequence[int]) -> tuple[Any, dict[str, float], int]:
+    """What ``rank`` computes in a cooperative ``read_data`` once the needs are gathered (as
+    :func:`~hp_dcp_hf.storage.span_reads.read_spans` does): decode the others' needs, build the
+    plan, route its own needs and every other rank's into its own spans. The plan, the seconds of
+    each step, and the bytes it sends."""
+    from hp_dcp_hf.storage.spans import ClusterPlan, decode_needs
+
+    t0 = time.perf_counter()
+    needs = [mine if r == rank else decode_needs(encoded[r], tensors) for r in range(len(encoded))]
+    t1 = time.perf_counter()
+    plan = ClusterPlan.build(tensors, needs, files, nodes=nodes, gap=0)
+    t2 = time.perf_counter()
+    plan.route(mine, tensors)
+    t3 = time.perf_counter()
+    owned, sent = plan.owned(rank), 0
+    for peer, theirs in enumerate(needs):
+        if peer != rank and len(owned):
+            sent += plan.route(theirs, tensors, within=owned).nbytes
+    t4 = time.perf_counter()
+    seconds = {"decode_s": t1 - t0, "build_s": t2 - t1, "route_own_s": t3 - t2, "route_others_s": t4 - t3}
+    return plan, seconds, sent
+
+
+def _profile(call: Callable[[], Any], top: int = 20) -> list[dict[str, Any]]:
+    """``call()`` under cProfile: its ``top`` functions by own time."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.runcall(call)
+    stats = pstats.Stats(profiler)
+    rows = []
+    for (file, line, name), (calls, primitive, own, cumulative, _) in stats.stats.items():  # type: ignore[attr-defined]
+        where = file.split("site-packages/")[-1].split("/main/")[-1]
+        rows.append({"function": f"{where}:{line}({name})", "calls": calls, "primitive_calls": primitive,
+                     "tottime_s": own, "cumtime_s": cumulative})
+    total = sum(r["tottime_s"] for r in rows)
+    rows.sort(key=lambda r: r["tottime_s"], reverse=True)
+    return [{**r, "share": r["tottime_s"] / total if total else 0.0} for r in rows[:top]]
+
+
+SPANS_TARGET_S = 0.5  # one rank's span planning (decode aside: build, route own, route others)
+
+
+def spans_record(ckpt: Checkpoint, layout: Layout, composition: Any, totals: dict[str, list[int]], sampled: int,
+                 log: Callable[[str], None]) -> dict[str, Any]:
+    """Span ownership over every rank of ``layout``: the needs, their check against the closed
+    form, the plan timed on ``sampled`` ranks as each pays it, its traffic; cProfile of one
+    rank's planning when it misses :data:`SPANS_TARGET_S`."""
+    import numpy as np
+
+    from hp_dcp_hf.storage.spans import SPAN_BYTES, encode_needs, traffic
+
+    budget = chunk_bytes()
+    table = stored_table(ckpt)
+    tensors = table.tensors
+    needs, record = every_rank_needs(ckpt, layout, composition, table, tensors, budget, log)
+    need_bytes = [sum(n.box.numel * tensors[n.tensor].itemsize for n in rank) for rank in needs]
+    mismatched = [r for r, b in enumerate(need_bytes) if b != totals["ours"][r]]
+    encoded = [encode_needs(rank, tensors) for rank in needs]
+    sizes = [int(e.nbytes) + 8 for e in encoded]  # + the node id gather_needs puts first
+    nodes = [rank // NODE for rank in range(layout.world)]
+    ranks = sorted({0, layout.world // 2 + 1} & set(range(layout.world)))[:sampled]
+    timings = []
+    plan = None
+    for rank in ranks:
+        load = os.getloadavg()
+        plan, seconds, sent = rank_spans(rank, needs[rank], encoded, tensors, table.files, nodes)
+        timings.append({"rank": rank, **seconds, "sent_bytes": sent, "load_average": load,
+                        "spans_s": seconds["build_s"] + seconds["route_own_s"] + seconds["route_others_s"]})
+        log(f"      rank {rank}: decode {seconds['decode_s']:.2f} s, build {seconds['build_s']:.2f} s, route own "
+            f"{seconds['route_own_s']:.3f} s, route others {seconds['route_others_s']:.2f} s (load {load[0]:.1f})")
+    assert plan is not None
+    t0 = time.perf_counter()
+    flows = traffic(plan, tensors, needs, budget)
+    traffic_s = time.perf_counter() - t0
+    received = [t.received for t in flows]
+    sent = [t.sent for t in flows]
+    storage = [t.storage_bytes for t in flows]
+    union = int(plan.needed.sum())
+    worst = max(t["spans_s"] for t in timings)
+    record.update(
+        spans_chunk_bytes=budget, span_bytes=SPAN_BYTES, spans_gap=0, spans_nodes=layout.world // NODE,
+        spans_needs_match_closed_form=not mismatched, spans_mismatched_ranks=mismatched[:20],
+        needs_encoded_bytes_per_rank_max=max(sizes), needs_encoded_bytes_per_rank_mean=statistics.fmean(sizes),
+        needs_encoded_bytes_total=sum(sizes), needs_gathered_bytes_padded=max(sizes) * layout.world,
+        spans=len(plan), span_size_max=int((plan.end - plan.start).max()), spans_owners=int(len(np.unique(plan.owner))),
+        spans_cluster_bytes=plan.bytes_read(), spans_needed_union_bytes=union,
+        spans_cluster_factor=plan.bytes_read() / ckpt.nbytes, spans_read_over_needed=plan.bytes_read() / union,
+        spans_storage_per_rank_max=max(storage), spans_storage_per_rank_mean=statistics.fmean(storage),
+        spans_requests_per_rank_max=max(t.requests for t in flows),
+        spans_received_per_rank_max=max(received), spans_received_per_rank_mean=statistics.fmean(received),
+        spans_sent_per_rank_max=max(sent), spans_sent_per_rank_mean=statistics.fmean(sent),
+        spans_exchanged_bytes=sum(received), spans_traffic_s=traffic_s,
+        spans_sent_matches_traffic=all(t["sent_bytes"] == flows[t["rank"]].sent for t in timings),
+        spans_timings=timings, spans_sampled=ranks, spans_plan_s_max=worst,
+        spans_plan_with_decode_s_max=max(t["spans_s"] + t["decode_s"] for t in timings),
+        spans_target_s=SPANS_TARGET_S)
+    if worst > SPANS_TARGET_S:
+        rank = ranks[0]
+        log(f"      spans plan {worst:.2f} s > {SPANS_TARGET_S} s: profiling rank {rank}")
+        record["spans_profile"] = _profile(lambda: rank_spans(rank, needs[rank], encoded, tensors, table.files, nodes))
+    return record
+
+
 # -- the run ---------------------------------------------------------------------------------------------------
 
 
 def _plans(ckpt: Checkpoint, layout: Layout, ranks: Sequence[int], composition: Any, fresh_plans: int,
-           cached_plans: int, *, cooperate: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+           cached_plans: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The first ``fresh_plans`` of ``ranks`` planned as a real rank pays it (trace the conversion,
     then plan), the first ``cached_plans`` with ``composition`` traced already."""
     fresh, cached = [], []
@@ -339,19 +483,20 @@ def _plans(ckpt: Checkpoint, layout: Layout, ranks: Sequence[int], composition: 
             t0 = time.perf_counter()
             traced = build_composition(ckpt)
             traced_s = time.perf_counter() - t0
-            row = plan_rank(ckpt, layout, rank, composition=traced, cooperate=cooperate)
+            row = plan_rank(ckpt, layout, rank, composition=traced)
             row["composition_s"] = traced_s
             row["plan_s"] += traced_s
             fresh.append(row)
         if i < cached_plans:
-            cached.append(plan_rank(ckpt, layout, rank, composition=composition, cooperate=cooperate))
+            cached.append(plan_rank(ckpt, layout, rank, composition=composition))
     return fresh, cached
 
 
 def simulate(arch: str, worlds: Sequence[int], *, layouts_: Sequence[str] = ("fsdp", "hsdp"), fresh_plans: int = 1,
-             cached_plans: int = 4, cooperative: bool = True, log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Every world x layout: closed-form bytes for all ranks, real plans for sampled ranks (again
-    cooperating when ``cooperative``)."""
+             cached_plans: int = 4, spans: bool = True, spans_sampled: int = 2,
+             log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Every world x layout: closed-form bytes for all ranks, real plans for sampled ranks, and
+    (``spans``) span ownership over every rank's real plan, timed on ``spans_sampled`` ranks."""
     start = time.perf_counter()
     ckpt = build_checkpoint(arch)
     log(f"  {arch}: {len(ckpt.entries)} checkpoint tensors in {ckpt.files} files, {ckpt.nbytes / 1e12:.2f} TB (bf16), "
@@ -366,19 +511,22 @@ def simulate(arch: str, worlds: Sequence[int], *, layouts_: Sequence[str] = ("fs
             if name == "hsdp" and world <= REPLICA:
                 continue
             layout = make_layout(name, world, ckpt.experts)
+            layout_start = time.perf_counter()
             t0 = time.perf_counter()
             totals = closed_form(ckpt, layout, sources)
             closed_s = time.perf_counter() - t0
             ranks = sample_ranks(world, max(fresh_plans, cached_plans))
-            fresh, cached = _plans(ckpt, layout, ranks, composition, fresh_plans, cached_plans, cooperate=False)
+            fresh, cached = _plans(ckpt, layout, ranks, composition, fresh_plans, cached_plans)
             if world == max(worlds) and fresh_plans:  # tracemalloc slows planning: a separate, untimed run
                 fresh[0]["plan_peak_bytes"] = plan_rank(ckpt, layout, ranks[0], memory=True)["plan_peak_bytes"]
             mismatched = [r["rank"] for r in fresh + cached if r["bytes_needed"] != totals["ours"][r["rank"]]]
             record = _summarize(arch, ckpt, layout, totals, fresh, cached, mismatched, closed_s)
-            if cooperative:
-                coop = _plans(ckpt, layout, ranks, composition, fresh_plans, cached_plans, cooperate=True)
-                record.update(_summarize_cooperative(ckpt, totals, *coop))
             log("    " + sim_line(record))
+            if spans:
+                log(f"    {name} {world}: span ownership over every rank's plan")
+                record.update(spans_record(ckpt, layout, composition, totals, spans_sampled, log))
+                log("      " + spans_line(record))
+            record["layout_s"] = time.perf_counter() - layout_start
             results.append(record)
     return {"arch": arch, "checkpoint_tensors": len(ckpt.entries), "files": ckpt.files, "checkpoint_bytes": ckpt.nbytes,
             "model_tensors": len(ckpt.model.state_dict()), "composition_s": composition_s,
@@ -412,41 +560,26 @@ def _summarize(arch: str, ckpt: Checkpoint, layout: Layout, totals: dict[str, li
     return record
 
 
-def _summarize_cooperative(ckpt: Checkpoint, totals: dict[str, list[int]], fresh: list[dict],
-                           cached: list[dict]) -> dict[str, Any]:
-    """The cooperative closed form (cluster bytes read and exchanged), its check against the
-    planner's ``PlanStats`` on the sampled ranks, and their plan times."""
-    keys = (("bytes_needed", "coop"), ("peer_bytes_in", "peer_in"), ("peer_bytes_out", "peer_out"))
-    mismatched = sorted({r["rank"] for r in fresh + cached if any(r[a] != totals[b][r["rank"]] for a, b in keys)})
-    record: dict[str, Any] = {
-        "coop_bytes_per_rank_max": max(totals["coop"]), "coop_bytes_per_rank_mean": statistics.fmean(totals["coop"]),
-        "coop_cluster_bytes": sum(totals["coop"]),
-        "coop_cluster_factor": sum(totals["coop"]) / ckpt.nbytes, "exchanged_bytes": sum(totals["peer_in"]),
-        "received_per_rank_max": max(totals["peer_in"]), "sent_per_rank_max": max(totals["peer_out"]),
-        "coop_matches_closed_form": not mismatched, "coop_mismatched_ranks": mismatched,
-        "coop_sampled": sorted({r["rank"] for r in fresh + cached}),
-        "shared_targets_max": max((r["shared_targets"] for r in fresh + cached), default=None)}
-    if fresh:
-        record.update(coop_plan_s_max=max(r["plan_s"] for r in fresh),
-                      coop_composition_s=max(r["composition_s"] for r in fresh))
-    if cached:
-        record.update(coop_items_s_max=max(r["plan_s"] for r in cached),
-                      coop_pickled_plan_bytes_max=max(r["pickled_plan_bytes"] for r in cached))
-    return record
-
-
 def sim_line(r: dict[str, Any]) -> str:
     plan = f"plan {r['plan_s_max']:.2f} s (composition {r['composition_s']:.2f} s)" if "plan_s_max" in r else ""
     items = f"items {r['items_s_max']:.2f} s" if "items_s_max" in r else ""
     ok = "ok" if r["planner_matches_closed_form"] else f"MISMATCH {r['mismatched_ranks']}"
-    line = (f"{r['layout']:<5} {r['world']:>5} ranks: per rank max {r['bytes_per_rank_max'] / 2**30:8.2f} GiB, cluster "
+    return (f"{r['layout']:<5} {r['world']:>5} ranks: per rank max {r['bytes_per_rank_max'] / 2**30:8.2f} GiB, cluster "
             f"{r['cluster_factor']:.2f}x ckpt (legacy {r['legacy_cluster_factor']:.1f}x); {plan}; {items}; {ok}")
-    if "coop_cluster_factor" not in r:
-        return line
-    coop_ok = "ok" if r["coop_matches_closed_form"] else f"MISMATCH {r['coop_mismatched_ranks']}"
-    plan = f"plan {r['coop_plan_s_max']:.2f} s, " if "coop_plan_s_max" in r else ""
-    items = f"items {r['coop_items_s_max']:.2f} s; " if "coop_items_s_max" in r else ""
-    return (f"{line}\n      cooperating: per rank max {r['coop_bytes_per_rank_max'] / 2**30:.2f} GiB (mean "
-            f"{r['coop_bytes_per_rank_mean'] / 2**30:.2f}), cluster reads {r['coop_cluster_factor']:.4f}x ckpt, exchanges "
-            f"{r['exchanged_bytes'] / 2**40:.2f} TiB (per rank max in {r['received_per_rank_max'] / 2**30:.2f} GiB, "
-            f"out {r['sent_per_rank_max'] / 2**30:.2f} GiB); {plan}{items}{coop_ok}")
+
+
+def spans_line(r: dict[str, Any]) -> str:
+    """One line of a layout's span ownership (empty for a result without it)."""
+    if "spans_plan_s_max" not in r:
+        return ""
+    ok = "ok" if r["spans_needs_match_closed_form"] else f"MISMATCH {r['spans_mismatched_ranks']}"
+    worst = max(r["spans_timings"], key=lambda t: t["spans_s"])
+    return (f"spans: {r['spans']} spans, cluster reads {r['spans_cluster_factor']:.4f}x ckpt "
+            f"({r['spans_read_over_needed']:.4f}x the needed union); storage per rank max "
+            f"{r['spans_storage_per_rank_max'] / 2**30:.2f} GiB (mean {r['spans_storage_per_rank_mean'] / 2**30:.2f}); "
+            f"received max {r['spans_received_per_rank_max'] / 2**30:.2f} GiB (mean "
+            f"{r['spans_received_per_rank_mean'] / 2**30:.2f}), sent max {r['spans_sent_per_rank_max'] / 2**30:.2f} GiB "
+            f"(mean {r['spans_sent_per_rank_mean'] / 2**30:.2f}); needs {r['needs_encoded_bytes_per_rank_max'] / 2**10:.0f} "
+            f"KiB per rank max, {r['needs_encoded_bytes_total'] / 2**20:.1f} MiB gathered; plan "
+            f"{r['spans_plan_s_max']:.2f} s per rank (build {worst['build_s']:.2f}, route own {worst['route_own_s']:.3f}, "
+            f"route others {worst['route_others_s']:.2f}; + decode {worst['decode_s']:.2f}); {ok}")
