@@ -17,6 +17,7 @@ from hp_dcp_hf.storage.spans import (
     ClusterPlan,
     Need,
     StoredTensor,
+    Tensors,
     decode_needs,
     encode_needs,
     needed_union,
@@ -85,7 +86,7 @@ def test_spans_cover_exactly_the_bytes_some_rank_needs_and_streams_agree(cluster
     keys = list(zip(plan.file.tolist(), plan.start.tolist()))
     assert keys == sorted(keys) and set(plan.owner.tolist()) <= set(range(world))
     for needs in needs_by_rank:
-        routed = plan.route(needs, tensors)
+        routed = plan.route(needs)
         assert routed.nbytes == sum(n.box.numel * tensors[n.tensor].itemsize for n in needs)
         # every part lies in its span, and lands where its bytes sit in the need's buffer
         for part in range(len(routed.start)):
@@ -94,10 +95,10 @@ def test_spans_cover_exactly_the_bytes_some_rank_needs_and_streams_agree(cluster
             assert routed.owner[part] == plan.owner[span]
         for owner in range(world):  # the sender's stream, from the receiver's needs alone, is the receiver's
             mine = routed.select(routed.owner == owner)
-            theirs = plan.route(needs, tensors, within=plan.owned(owner))
+            theirs = plan.route(needs, within=plan.owned(owner))
             for field in ("span", "file", "start", "end", "need", "offset"):
                 assert np.array_equal(getattr(mine, field), getattr(theirs, field)), field
-    shares = traffic(plan, tensors, needs_by_rank, request_bytes=32)
+    shares = traffic(plan, needs_by_rank, request_bytes=32)
     assert sum(t.sent for t in shares) == sum(t.received for t in shares)
     assert sum(t.storage_bytes for t in shares) == plan.bytes_read()
 
@@ -115,7 +116,7 @@ def test_runs_carry_every_needed_byte_from_the_spans_into_the_needs_buffers(clus
     spans = [files[f][s:e] for f, s, e in zip(plan.file.tolist(), plan.start.tolist(), plan.end.tolist())]
     for needs in needs_by_rank:
         buffers = [torch.zeros(n.box.numel * tensors[n.tensor].itemsize, dtype=torch.uint8) for n in needs]
-        merged = runs(plan.route(needs, tensors), cap)
+        merged = runs(plan.route(needs), cap)
         assert all(r.nbytes <= cap for r in merged)
         for r in merged:
             sent = Region(r.span, r.start - int(plan.start[r.span]), r.nbytes, r.rows, r.stride).view(spans[r.span])
@@ -131,7 +132,7 @@ def test_a_need_lands_at_the_offsets_of_its_own_buffer():
     tensors = [StoredTensor(0, 8, (4, 6), 4)]
     need = Need(0, Box((1, 2), (3, 2)))
     plan = ClusterPlan.build(tensors, [[need]], FILES[:1], span_bytes=1)
-    routed = plan.route([need], tensors)
+    routed = plan.route([need])
     assert routed.start.tolist() == [8 + (6 * r + 2) * 4 for r in (1, 2, 3)]
     assert routed.offset.tolist() == [0, 8, 16] and routed.end.tolist() == [s + 8 for s in routed.start.tolist()]
 
@@ -180,14 +181,17 @@ def test_needs_travel_as_integers():
     tensors = [StoredTensor(0, 0, (4, 5, 6), 2), StoredTensor(1, 0, (), 4)]
     needs = [Need(0, Box((1, 0, 2), (2, 5, 3))), Need(1, Box((), ())), Need(0, Box((0, 0, 0), (4, 5, 6)))]
     encoded = encode_needs(needs, tensors)
-    assert encoded.dtype == np.int64 and decode_needs(encoded, tensors) == needs
+    decoded = decode_needs(encoded, tensors)
+    table = Tensors(tensors)
+    assert encoded.dtype == np.int64 and encoded.size == len(needs) * (1 + 2 * 3)  # fixed width: no parsing
+    assert [Need(int(decoded.tensor[i]), decoded.box(i, table)) for i in range(len(needs))] == needs
 
 
 def test_a_need_outside_every_span_is_refused():
     tensors = [StoredTensor(0, 0, (16,), 1)]
     plan = ClusterPlan.build(tensors, [[Need(0, Box((0,), (8,)))]], FILES[:1])
     with pytest.raises(ValueError, match="outside every span"):
-        plan.route([Need(0, Box((8,), (8,)))], tensors)
+        plan.route([Need(0, Box((8,), (8,)))])
 
 
 def test_a_sender_stops_at_the_first_span_not_read_yet():

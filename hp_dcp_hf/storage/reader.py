@@ -451,26 +451,12 @@ class HFStorageReader(StorageReader):
         # error in load_hf_checkpoint, and this matches that collective.
         error = agree_on_failure(error)
         if error is None:
-            remaining: dict[int, int] = defaultdict(int)
-            for chunk in chunks:
-                remaining[chunk.item] += 1
-            for index, item in enumerate(plan.items):
-                if not remaining[index]:
-                    planner.commit_tensor(item, dests[index])
-            lock = threading.Lock()
-
-            def finished(index: int) -> None:
-                item = chunks[index].item
-                with lock:
-                    remaining[item] -= 1
-                    done = not remaining[item]
-                if done:
-                    planner.commit_tensor(plan.items[item], dests[item])
-
+            chunk_done = _committer(plan, planner, chunks, dests)
             try:
                 load = read_spans(
                     location=self._location, table=StoredTable.of(self.entries), chunks=chunks,
-                    byte_view=lambda t: t.reshape(-1).view(torch.uint8), finished=finished,
+                    byte_view=lambda t: t.reshape(-1).view(torch.uint8),
+                    finished=lambda index: chunk_done(chunks[index].item),
                     gap=self._span_gap, span_bytes=self.span_bytes, request_bytes=self.request_bytes,
                     threads=self.num_threads, budget=self.staging_bytes, node=self.node, stats=self.stats,
                     log=(lambda f, s, e: self.requests_log.append((f, s, e))) if self.record_requests else None,
@@ -506,13 +492,7 @@ class HFStorageReader(StorageReader):
         chunk_budget = self._batch_bytes
         dests = [self._resolve(item, planner) for item in plan.items]
         chunks = self._all_chunks(plan.items, dests)
-        remaining: dict[int, int] = defaultdict(int)
-        for chunk in chunks:
-            remaining[chunk.item] += 1
-        for index, item in enumerate(plan.items):
-            if not remaining[index]:
-                planner.commit_tensor(item, dests[index])
-        lock = threading.Lock()
+        chunk_done = _committer(plan, planner, chunks, dests)
         # One slot per batch being read, and one more: a batch's reads overlap the previous batch's
         # copies to the device. Host destinations release their slot before the next batch, so they
         # never hold more than one slot per reader.
@@ -531,11 +511,7 @@ class HFStorageReader(StorageReader):
             if prefetcher is not None:
                 prefetcher.done(sum(chunk.nbytes for chunk in batch))
             for chunk in batch:
-                with lock:
-                    remaining[chunk.item] -= 1
-                    done = not remaining[chunk.item]
-                if done:
-                    planner.commit_tensor(plan.items[chunk.item], dests[chunk.item])
+                chunk_done(chunk.item)
 
         # Remote requests (those of one batch too) run on a pool of their own, num_threads in
         # flight whatever the batches; it outlives the batch pool, whose tasks submit to it.
@@ -594,7 +570,7 @@ class HFStorageReader(StorageReader):
         node_ids = [node_id(n) for n in nodes] if nodes is not None else None
         plan = ClusterPlan.build(tensors, needs, table.files, nodes=node_ids, gap=self._span_gap,
                                  span_bytes=self.span_bytes)
-        return plan, traffic(plan, tensors, needs, self.request_bytes)
+        return plan, traffic(plan, needs, self.request_bytes)
 
     def _span_chunks(self, items: Sequence[ReadItem], dests: Sequence[torch.Tensor]) -> list[_Chunk]:
         """The chunks of a cooperative read, in the order its needs are told: by file and first byte."""
@@ -802,6 +778,28 @@ class _Prefetcher:
             self._stop = True
             self._cond.notify()
         self._thread.join()
+
+
+def _committer(plan: LoadPlan, planner: LoadPlanner, chunks: Sequence[_Chunk],
+               dests: Sequence[torch.Tensor]) -> Callable[[int], None]:
+    """Commits each item of ``plan`` once all its chunks hold their values: those with none at once,
+    the others through the returned callback, called with a chunk's item as each chunk is done."""
+    remaining: dict[int, int] = defaultdict(int)
+    for chunk in chunks:
+        remaining[chunk.item] += 1
+    for index, item in enumerate(plan.items):
+        if not remaining[index]:
+            planner.commit_tensor(item, dests[index])
+    lock = threading.Lock()
+
+    def chunk_done(item: int) -> None:
+        with lock:
+            remaining[item] -= 1
+            done = not remaining[item]
+        if done:
+            planner.commit_tensor(plan.items[item], dests[item])
+
+    return chunk_done
 
 
 def _advise(handle: RangeFile, batch: list[_Chunk], gap: int) -> None:

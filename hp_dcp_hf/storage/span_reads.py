@@ -30,7 +30,17 @@ from hp_dcp_hf.storage.copy import copy_into
 from hp_dcp_hf.storage.exchange import ExchangeStats, ReadProgress, Region, Stream, exchange
 from hp_dcp_hf.storage.header import TensorEntry
 from hp_dcp_hf.storage.location import CheckpointLocation
-from hp_dcp_hf.storage.spans import ClusterPlan, Need, Run, StoredTensor, decode_needs, encode_needs, runs
+from hp_dcp_hf.storage.spans import (
+    ClusterPlan,
+    Need,
+    Needs,
+    Run,
+    StoredTensor,
+    Tensors,
+    decode_needs,
+    encode_needs,
+    runs,
+)
 from hp_dcp_hf.storage.stats import ReadStats
 
 
@@ -202,20 +212,20 @@ def read_spans(
     returns having left the outcome of the others to agree on (``SpanLoad.exchange`` counts)."""
     began = time.perf_counter()
     rank, world = dist.get_rank(), dist.get_world_size()
-    tensors = table.tensors
-    mine = [table.need(chunk) for chunk in chunks]
+    tensors = Tensors(table.tensors)
+    mine = Needs.of([table.need(chunk) for chunk in chunks], tensors)
     encoded, nodes = gather_needs(encode_needs(mine, tensors), node_id(node))
     needs = [mine if r == rank else decode_needs(encoded[r], tensors) for r in range(world)]
     plan = ClusterPlan.build(tensors, needs, table.files, nodes=nodes, gap=gap, span_bytes=span_bytes)
     owned = plan.owned(rank)
     load = SpanLoad(plan, rank, plan.bytes_read(rank))
 
-    incoming = plan.route(mine, tensors)
+    incoming = plan.route(mine)
     own = incoming.select(incoming.owner == rank)
     load.own_bytes = own.nbytes
     target = _Needs(chunks, byte_view, finished)
     from_peers = [incoming.select(incoming.owner == peer) if peer != rank else None for peer in range(world)]
-    to_peers = [plan.route(needs[peer], tensors, within=owned) if peer != rank and len(owned) else None
+    to_peers = [plan.route(needs[peer], within=owned) if peer != rank and len(owned) else None
                 for peer in range(world)]
     # Every rank sends each peer at most `chunk` bytes a round: the budget over twice the most peers
     # any rank sends to or receives from, so no rank moves more than the budget a round.

@@ -7,9 +7,9 @@ every rank's needs, which the ranks gather as integers, each rank computes the s
    one range, without listing rows);
 2. cut into contiguous *spans*: runs of needed bytes, holes nobody needs bridged only up to a
    small gap, each run cut into near-equal spans of at least ``span_bytes`` (page aligned);
-3. each span owned by one rank: in file order, the least loaded rank that needs some of it while
-   its load stays within a fair share (bytes / ranks, plus a span), else the least loaded rank on
-   a node that needs it, else the least loaded rank.
+3. each span owned by one rank: in file order, the rank that needs most of it while its load
+   stays within a fair share (bytes / ranks, plus a span), else the least loaded rank on a node
+   that needs it, else the least loaded rank.
 
 Owners read their spans; every rank then receives, from each owner, the bytes of its own needs
 inside that owner's spans, as a stream in file order (:meth:`ClusterPlan.route`): sender and
@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from hp_dcp_hf.box import Box
-from hp_dcp_hf.storage.ranges import box_byte_ranges, box_byte_runs, box_span
+from hp_dcp_hf.storage.ranges import box_byte_runs
 
 SPAN_BYTES = 8 * 2**20
 """Smallest span where the needed bytes run that long: a request moves several MiB per round trip."""
@@ -63,57 +63,93 @@ class Need:
     box: Box
 
 
-def encode_needs(needs: Sequence[Need], tensors: Sequence[StoredTensor]) -> np.ndarray:
-    """``needs`` as one flat int64 array (tensor index, offsets, sizes each): what ranks gather."""
-    flat: list[int] = []
-    for need in needs:
-        flat.append(need.tensor)
-        flat.extend(need.box.offsets)
-        flat.extend(need.box.sizes)
-    return np.asarray(flat, dtype=np.int64)
+class Tensors:
+    """The stored tensors as arrays, shapes padded at the front to the largest rank (a padded box
+    starts at 0 and spans 1 there: its bytes are the same)."""
+
+    def __init__(self, tensors: Sequence[StoredTensor]) -> None:
+        self.stored = list(tensors)
+        self.ndim = max([len(t.shape) for t in self.stored] + [1])
+        count, ndim = len(self.stored), self.ndim
+        self.file = np.asarray([t.file for t in self.stored], dtype=np.int64)
+        self.data_start = np.asarray([t.data_start for t in self.stored], dtype=np.int64)
+        self.itemsize = np.asarray([t.itemsize for t in self.stored], dtype=np.int64)
+        self.rank = np.asarray([len(t.shape) for t in self.stored], dtype=np.int64)
+        self.shape = np.ones((count, ndim), dtype=np.int64)
+        for i, t in enumerate(self.stored):
+            if t.shape:
+                self.shape[i, ndim - len(t.shape) :] = t.shape
+        # byte strides: each dim's step is the bytes of one index of it
+        self.strides = np.flip(np.cumprod(np.flip(self.shape, 1), 1), 1) // self.shape * self.itemsize[:, None]
+        self.nbytes = self.shape.prod(1) * self.itemsize
+
+    def __len__(self) -> int:
+        return len(self.stored)
 
 
-def decode_needs(flat: np.ndarray, tensors: Sequence[StoredTensor]) -> list[Need]:
-    """The inverse of :func:`encode_needs` (each tensor's rank says how many integers follow)."""
-    values = flat.tolist()
-    needs, position = [], 0
-    while position < len(values):
-        index = values[position]
-        ndim = len(tensors[index].shape)
-        offsets = tuple(values[position + 1 : position + 1 + ndim])
-        sizes = tuple(values[position + 1 + ndim : position + 1 + 2 * ndim])
-        needs.append(Need(index, Box(offsets, sizes)))
-        position += 1 + 2 * ndim
-    return needs
+@dataclass(frozen=True)
+class Needs:
+    """One rank's needs as arrays, in its order: need ``i`` is the box ``offsets[i]``, ``sizes[i]``
+    (padded at the front, as :class:`Tensors` pads shapes) of stored tensor ``tensor[i]``."""
+
+    tensor: np.ndarray
+    offsets: np.ndarray
+    sizes: np.ndarray
+
+    @classmethod
+    def of(cls, needs: Sequence[Need] | Needs, table: Tensors) -> Needs:
+        if isinstance(needs, Needs):
+            return needs
+        rows = np.zeros((len(needs), 1 + 2 * table.ndim), dtype=np.int64)
+        rows[:, 1 + table.ndim :] = 1
+        for i, need in enumerate(needs):
+            pad = table.ndim - need.box.ndim
+            rows[i, 0] = need.tensor
+            rows[i, 1 + pad : 1 + table.ndim] = need.box.offsets
+            rows[i, 1 + table.ndim + pad :] = need.box.sizes
+        return cls.from_rows(rows, table)
+
+    @classmethod
+    def from_rows(cls, rows: np.ndarray, table: Tensors) -> Needs:
+        rows = rows.reshape(-1, 1 + 2 * table.ndim)
+        return cls(rows[:, 0], rows[:, 1 : 1 + table.ndim], rows[:, 1 + table.ndim :])
+
+    @property
+    def rows(self) -> np.ndarray:
+        return np.concatenate([self.tensor[:, None], self.offsets, self.sizes], axis=1)
+
+    def __len__(self) -> int:
+        return len(self.tensor)
+
+    def box(self, i: int, table: Tensors) -> Box:
+        """Need ``i``'s box in its tensor's own rank."""
+        rank = int(table.rank[self.tensor[i]])
+        offsets, sizes = self.offsets[i].tolist(), self.sizes[i].tolist()
+        return Box(tuple(offsets[len(offsets) - rank :]), tuple(sizes[len(sizes) - rank :])) if rank else Box((), ())
+
+    def extents(self, table: Tensors) -> tuple[np.ndarray, np.ndarray]:
+        """Each need's first and last byte (exclusive) as sortable keys (:func:`_key`: file, byte)."""
+        t = self.tensor
+        strides = table.strides[t]
+        first = (self.offsets * strides).sum(1)
+        last = ((self.offsets + self.sizes - 1) * strides).sum(1) + table.itemsize[t]
+        base = table.data_start[t]
+        return _key(table.file[t], base + first), _key(table.file[t], base + last)
 
 
-def _ranges(need: Need, tensors: Sequence[StoredTensor]) -> list[tuple[int, int]]:
-    """Absolute ``[start, end)`` byte ranges of ``need`` in its file, in order."""
-    tensor = tensors[need.tensor]
-    start = tensor.data_start
-    return [(start + s, start + e) for s, e in box_byte_ranges(tensor.shape, tensor.itemsize, need.box)]
+def encode_needs(needs: Sequence[Need] | Needs, tensors: Sequence[StoredTensor] | Tensors) -> np.ndarray:
+    """``needs`` as one flat int64 array (tensor index, padded offsets, padded sizes each): what
+    ranks gather."""
+    return Needs.of(needs, _table(tensors)).rows.reshape(-1)
 
 
-def _extent(need: Need, tensors: Sequence[StoredTensor]) -> tuple[int, int]:
-    """First and last byte (exclusive) of ``need`` in its file."""
-    tensor = tensors[need.tensor]
-    first, last, _ = box_span(tensor.shape, tensor.itemsize, need.box)
-    return tensor.data_start + first, tensor.data_start + last
+def decode_needs(flat: np.ndarray, tensors: Sequence[StoredTensor] | Tensors) -> Needs:
+    """The inverse of :func:`encode_needs`."""
+    return Needs.from_rows(np.asarray(flat, dtype=np.int64), _table(tensors))
 
 
-def _tiles(boxes: Sequence[Box], shape: tuple[int, ...]) -> bool:
-    """Whether the distinct ``boxes`` tile the tensor exactly: their elements sum to its own and no
-    two overlap (a sweep along dim 0 compares only boxes whose rows overlap)."""
-    if sum(b.numel for b in boxes) != math.prod(shape):
-        return False
-    ordered = sorted(boxes, key=lambda b: b.offsets)
-    active: list[Box] = []
-    for box in ordered:
-        active = [a for a in active if a.ends[0] > box.offsets[0]]
-        if any(a.intersect(box) is not None for a in active):
-            return False
-        active.append(box)
-    return True
+def _table(tensors: Sequence[StoredTensor] | Tensors) -> Tensors:
+    return tensors if isinstance(tensors, Tensors) else Tensors(tensors)
 
 
 def _merge(starts: np.ndarray, ends: np.ndarray, gap: int) -> tuple[np.ndarray, np.ndarray]:
@@ -129,26 +165,60 @@ def _merge(starts: np.ndarray, ends: np.ndarray, gap: int) -> tuple[np.ndarray, 
     return starts[first], reach[last]
 
 
+def _disjoint(offsets: np.ndarray, sizes: np.ndarray) -> bool:
+    """Whether no two of the boxes (rows) overlap: pairwise, a block of rows at a time."""
+    ends = offsets + sizes
+    for lo in range(0, len(offsets), 512):
+        a_off, a_end = offsets[lo : lo + 512, None, :], ends[lo : lo + 512, None, :]
+        overlap = ((a_off < ends[None]) & (offsets[None] < a_end)).all(2)
+        overlap[np.arange(overlap.shape[0]), np.arange(lo, lo + overlap.shape[0])] = False
+        if overlap.any():
+            return False
+    return True
+
+
 def needed_union(
-    tensors: Sequence[StoredTensor], needs_by_rank: Sequence[Sequence[Need]], files: int
+    tensors: Sequence[StoredTensor] | Tensors, needs_by_rank: Sequence[Sequence[Need] | Needs], files: int
 ) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Per file, the sorted disjoint ``(starts, ends)`` of the bytes at least one rank needs."""
-    boxes: dict[int, set[Box]] = {}
-    for needs in needs_by_rank:
-        for need in needs:
-            boxes.setdefault(need.tensor, set()).add(need.box)
-    starts: list[list[int]] = [[] for _ in range(files)]
-    ends: list[list[int]] = [[] for _ in range(files)]
-    for index, distinct in boxes.items():
-        tensor = tensors[index]
-        if _tiles(list(distinct), tensor.shape):
-            ranges = [(tensor.data_start, tensor.data_start + tensor.nbytes)]
-        else:
-            ranges = [r for box in distinct for r in _ranges(Need(index, box), tensors)]
-        starts[tensor.file].extend(s for s, _ in ranges)
-        ends[tensor.file].extend(e for _, e in ranges)
-    return [_merge(np.asarray(s, dtype=np.int64), np.asarray(e, dtype=np.int64), 0)
-            for s, e in zip(starts, ends)]
+    """Per file, the sorted disjoint ``(starts, ends)`` of the bytes at least one rank needs.
+
+    A tensor whose distinct needed boxes tile it is one range, found without listing rows: the
+    boxes' elements sum to the tensor's and, sorted, their byte extents do not overlap (row
+    blocks), or failing that no two boxes overlap (grids of FSDP x TP blocks). Others (a pipeline
+    stage's part, overlapping layouts) are listed range by range."""
+    table = _table(tensors)
+    parts = [Needs.of(n, table).rows for n in needs_by_rank]
+    rows = np.concatenate(parts) if parts else np.zeros((0, 1 + 2 * table.ndim), dtype=np.int64)
+    starts: list[np.ndarray] = [np.zeros(0, dtype=np.int64) for _ in range(files)]
+    ends = list(starts)
+    if not len(rows):
+        return list(zip(starts, ends))
+    distinct = Needs.from_rows(np.unique(rows, axis=0), table)  # by tensor, then in row-major order
+    first, last = distinct.extents(table)
+    numel = distinct.sizes.prod(1)
+    groups = np.concatenate(([0], np.flatnonzero(np.diff(distinct.tensor)) + 1))
+    tensor = distinct.tensor[groups]
+    reach = np.maximum.accumulate(last)
+    overlaps = np.concatenate(([False], (first[1:] < reach[:-1]) & (distinct.tensor[1:] == distinct.tensor[:-1])))
+    whole = (np.add.reduceat(numel, groups) == table.shape[tensor].prod(1)) & ~np.add.reduceat(overlaps, groups).astype(bool)
+    bounds = [*groups.tolist(), len(distinct)]
+    per_file_starts: list[list[np.ndarray]] = [[] for _ in range(files)]
+    per_file_ends: list[list[np.ndarray]] = [[] for _ in range(files)]
+    for g, index in enumerate(tensor.tolist()):
+        lo, hi = bounds[g], bounds[g + 1]
+        f, base = int(table.file[index]), int(table.data_start[index])
+        if whole[g] or (numel[lo:hi].sum() == table.shape[index].prod() and _disjoint(distinct.offsets[lo:hi],
+                                                                                   distinct.sizes[lo:hi])):
+            per_file_starts[f].append(np.asarray([base]))
+            per_file_ends[f].append(np.asarray([base + int(table.nbytes[index])]))
+            continue
+        stored = table.stored[index]
+        for i in range(lo, hi):
+            runs_, run = box_byte_runs(stored.shape, stored.itemsize, distinct.box(i, table))
+            per_file_starts[f].append(runs_ + base)
+            per_file_ends[f].append(runs_ + base + run)
+    return [_merge(np.concatenate(s).astype(np.int64), np.concatenate(e).astype(np.int64), 0) if s else (a, b)
+            for s, e, a, b in zip(per_file_starts, per_file_ends, starts, ends)]
 
 
 @dataclass(frozen=True)
@@ -176,7 +246,7 @@ class Routed:
 @dataclass(frozen=True)
 class ClusterPlan:
     """The spans of a load (arrays in file, then byte order) and their owners, the same on every
-    rank; ``file`` indexes ``files``, the checkpoint's file names."""
+    rank; ``file`` indexes ``files``, the checkpoint's file names, and ``table`` its stored tensors."""
 
     files: tuple[str, ...]
     file: np.ndarray
@@ -185,12 +255,13 @@ class ClusterPlan:
     owner: np.ndarray
     needed: np.ndarray  # bytes of each span some rank needs (the rest are holes bridged)
     world: int
+    table: Tensors = field(repr=False, compare=False)
 
     @classmethod
     def build(
         cls,
-        tensors: Sequence[StoredTensor],
-        needs_by_rank: Sequence[Sequence[Need]],
+        tensors: Sequence[StoredTensor] | Tensors,
+        needs_by_rank: Sequence[Sequence[Need] | Needs],
         files: Sequence[str],
         *,
         nodes: Sequence[int] | None = None,
@@ -199,18 +270,18 @@ class ClusterPlan:
     ) -> ClusterPlan:
         """The plan of ``len(needs_by_rank)`` ranks (``nodes[r]``: rank ``r``'s node, default one
         node per rank); holes of at most ``gap`` bytes inside a span are read and dropped."""
+        table = _table(tensors)
+        needs_by_rank = [Needs.of(n, table) for n in needs_by_rank]
         world = len(needs_by_rank)
-        union = needed_union(tensors, needs_by_rank, len(files))
+        union = needed_union(table, needs_by_rank, len(files))
         total = sum(int((e - s).sum()) for s, e in union)
         target = max(span_bytes, min(MAX_SPAN_BYTES, -(-total // (4 * world))))
         span_file, span_start, span_end, span_needed = [], [], [], []
         for index, (starts, ends) in enumerate(union):
             run_starts, run_ends = _merge(starts, ends, gap)
-            # bytes needed up to each union range's end, to count the needed bytes of each span
             for lo, hi in zip(run_starts.tolist(), run_ends.tolist()):
                 count = max(1, round((hi - lo) / target))
-                cuts = [lo] + [_page_floor(lo + (hi - lo) * i // count, lo) for i in range(1, count)] + [hi]
-                cuts = sorted(set(cuts))
+                cuts = sorted({lo, hi, *(_page_floor(lo + (hi - lo) * i // count, lo) for i in range(1, count))})
                 for a, b in zip(cuts, cuts[1:]):
                     span_file.append(index)
                     span_start.append(a)
@@ -219,9 +290,11 @@ class ClusterPlan:
         file = np.asarray(span_file, dtype=np.int64)
         start = np.asarray(span_start, dtype=np.int64)
         end = np.asarray(span_end, dtype=np.int64)
-        owners = _assign(file, start, end, _needers(tensors, needs_by_rank, file, start, end),
-                         np.asarray(nodes if nodes is not None else range(world), dtype=np.int64), target)
-        return cls(tuple(files), file, start, end, owners, np.asarray(span_needed, dtype=np.int64), world)
+        plan = cls(tuple(files), file, start, end, np.zeros(len(start), dtype=np.int64),
+                   np.asarray(span_needed, dtype=np.int64), world, table)
+        plan.owner[:] = _assign(end - start, *plan._needers(needs_by_rank),
+                                np.asarray(nodes if nodes is not None else range(world), dtype=np.int64), target)
+        return plan
 
     def __len__(self) -> int:
         return len(self.start)
@@ -235,21 +308,25 @@ class ClusterPlan:
         sizes = self.end - self.start
         return int(sizes.sum() if rank is None else sizes[self.owner == rank].sum())
 
-    def route(self, needs: Sequence[Need], tensors: Sequence[StoredTensor], within: np.ndarray | None = None) -> Routed:
+    def route(self, needs: Sequence[Need] | Needs, within: np.ndarray | None = None) -> Routed:
         """``needs`` (one rank's, in its order) as the parts its owners send it, in stream order:
         sorted by file and start (stably: a byte two needs share is sent once for each), split
         where spans meet. ``within``: spans to route into (say, one owner's); needs wholly outside
         them are skipped without listing their rows."""
+        table = self.table
+        needs = Needs.of(needs, table)
+        chosen = np.arange(len(needs))
         selected = None
         if within is not None:
             selected = np.zeros(len(self), dtype=bool)
             selected[within] = True
+            lo, hi = self._span_range(*needs.extents(table))
+            reached = np.concatenate(([0], np.cumsum(selected)))
+            chosen = np.flatnonzero(reached[hi + 1] - reached[lo] > 0)
         file, start, end, need, offset = [], [], [], [], []
-        for index, item in enumerate(needs):
-            tensor = tensors[item.tensor]
-            if selected is not None and not self._touches(tensor.file, *_extent(item, tensors), selected):
-                continue
-            starts, run = box_byte_runs(tensor.shape, tensor.itemsize, item.box)
+        for index in chosen.tolist():
+            tensor = table.stored[needs.tensor[index]]
+            starts, run = box_byte_runs(tensor.shape, tensor.itemsize, needs.box(index, table))
             file.append(np.full(len(starts), tensor.file, dtype=np.int64))
             start.append(starts + tensor.data_start)
             end.append(starts + (tensor.data_start + run))
@@ -261,14 +338,40 @@ class ClusterPlan:
         routed = self._split(file_, start_, end_, need_, offset_)
         return routed if selected is None else routed.select(selected[routed.span])
 
-    def _touches(self, file: int, first: int, last: int, selected: np.ndarray) -> bool:
-        lo = np.searchsorted(self._keys, _key(file, first), side="right") - 1
-        hi = np.searchsorted(self._keys, _key(file, last), side="left")
-        return bool(selected[max(lo, 0) : max(hi, lo + 1)].any())
-
     @property
     def _keys(self) -> np.ndarray:
         return _key(self.file, self.start)
+
+    def _span_range(self, first: np.ndarray, last: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """For byte extents (keys), the first and last span they may touch (clipped to the plan)."""
+        keys = self._keys
+        lo = np.clip(np.searchsorted(keys, first, side="right") - 1, 0, max(len(keys) - 1, 0))
+        hi = np.clip(np.searchsorted(keys, last - 1, side="right") - 1, lo, max(len(keys) - 1, 0))
+        return lo, hi
+
+    def _needers(self, needs_by_rank: Sequence[Needs]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per span, the ranks needing bytes in it and about how many (their needs' extents inside
+        the span: a preference for owners, not an exact count), as ``(indptr, ranks, nbytes)``:
+        span ``s``'s are ``ranks[indptr[s]:indptr[s+1]]``."""
+        keys, ends = self._keys, _key(self.file, self.end)
+        pair_keys, pair_bytes = [], []
+        for rank, needs in enumerate(needs_by_rank):
+            if not len(needs) or not len(self):
+                continue
+            first, last = needs.extents(self.table)
+            lo, hi = self._span_range(first, last)
+            counts = hi - lo + 1
+            at = np.repeat(np.arange(len(lo)), counts)
+            span = lo[at] + np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+            inside = np.minimum(last[at], ends[span]) - np.maximum(first[at], keys[span])
+            pair_keys.append(span * self.world + rank)
+            pair_bytes.append(np.maximum(inside, 0))
+        if not pair_keys:
+            return np.zeros(len(self) + 1, dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+        merged, where = np.unique(np.concatenate(pair_keys), return_inverse=True)
+        nbytes = np.bincount(where, weights=np.concatenate(pair_bytes)).astype(np.int64)
+        spans, ranks = merged // self.world, merged % self.world
+        return np.searchsorted(spans, np.arange(len(self) + 1)), ranks, nbytes
 
     def _split(self, file, start, end, need, offset) -> Routed:
         """Each range cut where it crosses a span boundary, with its span and owner."""
@@ -312,40 +415,26 @@ def _covered(starts: np.ndarray, ends: np.ndarray, lo: int, hi: int) -> int:
     return int(clipped[clipped > 0].sum())
 
 
-def _needers(tensors, needs_by_rank, file, start, end) -> np.ndarray:
-    """``[rank, span]``: whether the rank needs bytes within the span's extent (its needs' first to
-    last bytes, merged: a preference for owners, not an exact count)."""
-    world = len(needs_by_rank)
-    result = np.zeros((world, len(start)), dtype=bool)
-    span_keys_lo, span_keys_hi = _key(file, start), _key(file, end)
-    for rank, needs in enumerate(needs_by_rank):
-        if not needs:
-            continue
-        extents = [_extent(n, tensors) for n in needs]
-        f = np.asarray([tensors[n.tensor].file for n in needs], dtype=np.int64)
-        lo, hi = _merge(_key(f, [e[0] for e in extents]), _key(f, [e[1] for e in extents]), 0)
-        at = np.searchsorted(hi, span_keys_lo, side="right")
-        inside = at < len(lo)
-        result[rank, inside] = lo[at[inside]] < span_keys_hi[inside]
-    return result
-
-
-def _assign(file, start, end, needers: np.ndarray, nodes: np.ndarray, target: int) -> np.ndarray:
-    """Owners, in span order: balanced by bytes, preferring ranks (then nodes) that need the span."""
+def _assign(sizes: np.ndarray, indptr: np.ndarray, needers: np.ndarray, needed: np.ndarray, nodes: np.ndarray,
+            target: int) -> np.ndarray:
+    """Owners, in span order, balanced by bytes: the rank needing most of the span while its load
+    stays within a fair share (bytes / ranks, plus a span), so that a rank reads much of what it
+    needs itself; else the least loaded rank on a node that needs it; else the least loaded rank."""
     world = len(nodes)
-    sizes = (end - start).tolist()
-    fair = sum(sizes) / max(world, 1) + target
+    fair = int(sizes.sum()) / max(world, 1) + target
     load = np.zeros(world, dtype=np.int64)
     owners = np.empty(len(sizes), dtype=np.int64)
-    for span, size in enumerate(sizes):
-        candidates = np.nonzero(needers[:, span])[0]
+    for span, size in enumerate(sizes.tolist()):
+        candidates = needers[indptr[span] : indptr[span + 1]]
         owner = -1
         if len(candidates):
-            best = candidates[np.argmin(load[candidates])]
-            if load[best] + size <= fair:
-                owner = best
+            fits = load[candidates] + size <= fair
+            if fits.any():
+                # most needed bytes first, then the least loaded
+                order = np.lexsort((load[candidates][fits], -needed[indptr[span] : indptr[span + 1]][fits]))
+                owner = candidates[fits][order[0]]
             else:
-                local = np.nonzero(np.isin(nodes, nodes[candidates]))[0]
+                local = np.flatnonzero(np.isin(nodes, nodes[candidates]))
                 best = local[np.argmin(load[local])]
                 owner = best if load[best] + size <= fair else -1
         if owner < 0:
@@ -367,13 +456,12 @@ class Traffic:
     sent: int
 
 
-def traffic(plan: ClusterPlan, tensors: Sequence[StoredTensor], needs_by_rank: Sequence[Sequence[Need]],
-            request_bytes: int) -> list[Traffic]:
+def traffic(plan: ClusterPlan, needs_by_rank: Sequence[Sequence[Need] | Needs], request_bytes: int) -> list[Traffic]:
     """Every rank's :class:`Traffic` under ``plan`` (what the CLI's ``plan`` and the simulation show)."""
     sent = np.zeros(plan.world, dtype=np.int64)
     received = []
     for rank, needs in enumerate(needs_by_rank):
-        routed = plan.route(needs, tensors)
+        routed = plan.route(needs)
         others = routed.owner != rank
         sizes = (routed.end - routed.start)[others]
         np.add.at(sent, routed.owner[others], sizes)
