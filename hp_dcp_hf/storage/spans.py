@@ -165,8 +165,22 @@ def _merge(starts: np.ndarray, ends: np.ndarray, gap: int) -> tuple[np.ndarray, 
     return starts[first], reach[last]
 
 
-def _disjoint(offsets: np.ndarray, sizes: np.ndarray) -> bool:
-    """Whether no two of the boxes (rows) overlap: pairwise, a block of rows at a time."""
+def _tiles(offsets: np.ndarray, sizes: np.ndarray, shape: np.ndarray) -> bool:
+    """Whether the distinct boxes (rows) tile a tensor of ``shape``: along every dim their extents
+    partition it, and there are as many boxes as cells of that grid (each box is then one cell,
+    each cell one box: row blocks, column blocks, FSDP x TP grids); else no two may overlap and
+    their elements must sum to the tensor's (checked pairwise, a block of rows at a time)."""
+    cells = 1
+    for d in range(offsets.shape[1]):
+        spans = np.unique(np.stack([offsets[:, d], sizes[:, d]], 1), axis=0)
+        if spans[0, 0] or np.any(spans[1:, 0] != spans[:-1].sum(1)) or spans[-1].sum() != shape[d]:
+            cells = -1
+            break
+        cells *= len(spans)
+    if cells == len(offsets):
+        return True
+    if sizes.prod(1).sum() != shape.prod():
+        return False
     ends = offsets + sizes
     for lo in range(0, len(offsets), 512):
         a_off, a_end = offsets[lo : lo + 512, None, :], ends[lo : lo + 512, None, :]
@@ -183,42 +197,52 @@ def needed_union(
     """Per file, the sorted disjoint ``(starts, ends)`` of the bytes at least one rank needs.
 
     A tensor whose distinct needed boxes tile it is one range, found without listing rows: the
-    boxes' elements sum to the tensor's and, sorted, their byte extents do not overlap (row
-    blocks), or failing that no two boxes overlap (grids of FSDP x TP blocks). Others (a pipeline
-    stage's part, overlapping layouts) are listed range by range."""
+    boxes' elements sum to the tensor's and, in byte order, their extents do not overlap (row
+    blocks), or else they tile it as a grid (:func:`_tiles`). Others (a pipeline stage's part,
+    overlapping layouts) are listed range by range."""
     table = _table(tensors)
     parts = [Needs.of(n, table).rows for n in needs_by_rank]
     rows = np.concatenate(parts) if parts else np.zeros((0, 1 + 2 * table.ndim), dtype=np.int64)
-    starts: list[np.ndarray] = [np.zeros(0, dtype=np.int64) for _ in range(files)]
-    ends = list(starts)
+    empty = np.zeros(0, dtype=np.int64)
     if not len(rows):
-        return list(zip(starts, ends))
-    distinct = Needs.from_rows(np.unique(rows, axis=0), table)  # by tensor, then in row-major order
-    first, last = distinct.extents(table)
+        return [(empty, empty) for _ in range(files)]
+    needs = Needs.from_rows(rows, table)
+    first, last = needs.extents(table)
+    # In byte order (tensors never share a first byte), identical boxes side by side, then dropped.
+    mix = np.power(1_000_003, np.arange(table.ndim), dtype=np.int64)  # sizes folded into one key (may wrap)
+    order = np.lexsort(((needs.sizes * mix).sum(1), first))
+    rows, first, last = rows[order], first[order], last[order]
+    duplicate = (first[1:] == first[:-1]) & (rows[1:, 1 + table.ndim :] == rows[:-1, 1 + table.ndim :]).all(1)
+    keep = np.concatenate(([True], ~duplicate))
+    distinct = Needs.from_rows(rows[keep], table)
+    first, last = first[keep], last[keep]
     numel = distinct.sizes.prod(1)
     groups = np.concatenate(([0], np.flatnonzero(np.diff(distinct.tensor)) + 1))
     tensor = distinct.tensor[groups]
     reach = np.maximum.accumulate(last)
     overlaps = np.concatenate(([False], (first[1:] < reach[:-1]) & (distinct.tensor[1:] == distinct.tensor[:-1])))
-    whole = (np.add.reduceat(numel, groups) == table.shape[tensor].prod(1)) & ~np.add.reduceat(overlaps, groups).astype(bool)
+    whole = ((np.add.reduceat(numel, groups) == table.shape[tensor].prod(1))
+             & ~np.add.reduceat(overlaps, groups).astype(bool))
     bounds = [*groups.tolist(), len(distinct)]
-    per_file_starts: list[list[np.ndarray]] = [[] for _ in range(files)]
-    per_file_ends: list[list[np.ndarray]] = [[] for _ in range(files)]
-    for g, index in enumerate(tensor.tolist()):
-        lo, hi = bounds[g], bounds[g + 1]
-        f, base = int(table.file[index]), int(table.data_start[index])
-        if whole[g] or (numel[lo:hi].sum() == table.shape[index].prod() and _disjoint(distinct.offsets[lo:hi],
-                                                                                   distinct.sizes[lo:hi])):
-            per_file_starts[f].append(np.asarray([base]))
-            per_file_ends[f].append(np.asarray([base + int(table.nbytes[index])]))
-            continue
-        stored = table.stored[index]
-        for i in range(lo, hi):
+    for g in np.flatnonzero(~whole).tolist():  # the rest: a grid, or listed range by range
+        lo, hi, index = bounds[g], bounds[g + 1], int(tensor[g])
+        whole[g] = _tiles(distinct.offsets[lo:hi], distinct.sizes[lo:hi], table.shape[index])
+    full = tensor[whole]
+    starts = [table.data_start[full]]
+    ends = [table.data_start[full] + table.nbytes[full]]
+    owners = [table.file[full]]
+    for g in np.flatnonzero(~whole).tolist():
+        index = int(tensor[g])
+        stored, base = table.stored[index], int(table.data_start[index])
+        for i in range(bounds[g], bounds[g + 1]):
             runs_, run = box_byte_runs(stored.shape, stored.itemsize, distinct.box(i, table))
-            per_file_starts[f].append(runs_ + base)
-            per_file_ends[f].append(runs_ + base + run)
-    return [_merge(np.concatenate(s).astype(np.int64), np.concatenate(e).astype(np.int64), 0) if s else (a, b)
-            for s, e, a, b in zip(per_file_starts, per_file_ends, starts, ends)]
+            starts.append(runs_ + base)
+            ends.append(runs_ + base + run)
+            owners.append(np.full(len(runs_), stored.file, dtype=np.int64))
+    start, end, file = np.concatenate(starts), np.concatenate(ends), np.concatenate(owners)
+    return [_merge(start[file == f], end[file == f], 0) for f in range(files)]
+
+
 
 
 @dataclass(frozen=True)
@@ -279,19 +303,19 @@ class ClusterPlan:
         span_file, span_start, span_end, span_needed = [], [], [], []
         for index, (starts, ends) in enumerate(union):
             run_starts, run_ends = _merge(starts, ends, gap)
+            cuts = []
             for lo, hi in zip(run_starts.tolist(), run_ends.tolist()):
                 count = max(1, round((hi - lo) / target))
-                cuts = sorted({lo, hi, *(_page_floor(lo + (hi - lo) * i // count, lo) for i in range(1, count))})
-                for a, b in zip(cuts, cuts[1:]):
-                    span_file.append(index)
-                    span_start.append(a)
-                    span_end.append(b)
-                    span_needed.append(_covered(starts, ends, a, b))
-        file = np.asarray(span_file, dtype=np.int64)
-        start = np.asarray(span_start, dtype=np.int64)
-        end = np.asarray(span_end, dtype=np.int64)
-        plan = cls(tuple(files), file, start, end, np.zeros(len(start), dtype=np.int64),
-                   np.asarray(span_needed, dtype=np.int64), world, table)
+                cuts.append(sorted({lo, hi, *(_page_floor(lo + (hi - lo) * i // count, lo) for i in range(1, count))}))
+            lows = np.asarray([c for run in cuts for c in run[:-1]], dtype=np.int64)
+            highs = np.asarray([c for run in cuts for c in run[1:]], dtype=np.int64)
+            span_file.append(np.full(len(lows), index, dtype=np.int64))
+            span_start.append(lows)
+            span_end.append(highs)
+            span_needed.append(_covered(starts, ends, highs) - _covered(starts, ends, lows))
+        file, start, end, needed = (np.concatenate(a) if a else np.zeros(0, dtype=np.int64)
+                                    for a in (span_file, span_start, span_end, span_needed))
+        plan = cls(tuple(files), file, start, end, np.zeros(len(start), dtype=np.int64), needed, world, table)
         plan.owner[:] = _assign(end - start, *plan._needers(needs_by_rank),
                                 np.asarray(nodes if nodes is not None else range(world), dtype=np.int64), target)
         return plan
@@ -407,12 +431,12 @@ def _page_floor(position: int, lo: int) -> int:
     return max(lo, position - position % _PAGE)
 
 
-def _covered(starts: np.ndarray, ends: np.ndarray, lo: int, hi: int) -> int:
-    """Bytes of the disjoint sorted ranges inside ``[lo, hi)``."""
-    first = np.searchsorted(ends, lo, side="right")
-    last = np.searchsorted(starts, hi, side="left")
-    clipped = np.minimum(ends[first:last], hi) - np.maximum(starts[first:last], lo)
-    return int(clipped[clipped > 0].sum())
+def _covered(starts: np.ndarray, ends: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """Bytes of the disjoint sorted ranges below each of ``positions``."""
+    below = np.concatenate(([0], np.cumsum(ends - starts)))
+    at = np.searchsorted(starts, positions, side="right")  # ranges starting at or before
+    inside = np.where(at > 0, np.minimum(positions, ends[np.maximum(at - 1, 0)]) - starts[np.maximum(at - 1, 0)], 0)
+    return below[np.maximum(at - 1, 0)] * (at > 0) + np.maximum(inside, 0)
 
 
 def _assign(sizes: np.ndarray, indptr: np.ndarray, needers: np.ndarray, needed: np.ndarray, nodes: np.ndarray,
