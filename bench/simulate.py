@@ -442,11 +442,11 @@ def spans_record(ckpt: Checkpoint, layout: Layout, composition: Any, totals: dic
     rank's planning when it misses :data:`SPANS_TARGET_S`."""
     import numpy as np
 
-    from hp_dcp_hf.storage.spans import SPAN_BYTES, Tensors, decode_needs, traffic
+    from hp_dcp_hf.storage.spans import SPAN_BYTES, decode_needs, traffic
 
     budget = chunk_bytes()
     table = stored_table(ckpt)
-    tensors = Tensors(table.tensors)
+    tensors = table.tensors
     encoded, record = cached_needs(ckpt, layout, composition, table, tensors, budget, log)
     needs = [decode_needs(e, tensors) for e in encoded]
     need_bytes = [int((n.sizes.prod(1) * tensors.itemsize[n.tensor]).sum()) for n in needs]

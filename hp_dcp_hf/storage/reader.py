@@ -455,7 +455,6 @@ class HFStorageReader(StorageReader):
             try:
                 load = read_spans(
                     location=self._location, table=StoredTable.of(self.entries), chunks=chunks,
-                    byte_view=lambda t: t.reshape(-1).view(torch.uint8),
                     finished=lambda index: chunk_done(chunks[index].item),
                     gap=self._span_gap, span_bytes=self.span_bytes, request_bytes=self.request_bytes,
                     threads=self.num_threads, budget=self.staging_bytes, node=self.node, stats=self.stats,
@@ -561,7 +560,7 @@ class HFStorageReader(StorageReader):
     ) -> tuple[ClusterPlan, list[Traffic]]:
         """The span ownership of a cooperative load whose ranks plan ``items_by_rank`` (on
         ``nodes``, default one node each), and each rank's :class:`Traffic`, without any I/O:
-        the plan a cooperative ``read_data`` builds, for the CLI's ``plan`` and the simulation."""
+        the plan a cooperative ``read_data`` builds, for the CLI's ``plan`` and the benchmarks."""
         table = StoredTable.of(self.entries)
         tensors = table.tensors
         needs = [[table.need(c) for c in self._span_chunks(items, [torch.empty(tuple(i.lengths), device="meta")

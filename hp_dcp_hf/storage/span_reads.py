@@ -18,6 +18,7 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -59,10 +60,10 @@ class StoredTable:
         return cls(tuple(sorted({p.file for p in parts})), tuple(parts),
                    {(p.key, p.file, p.data_start): i for i, p in enumerate(parts)})
 
-    @property
-    def tensors(self) -> list[StoredTensor]:
+    @cached_property
+    def tensors(self) -> Tensors:
         position = {name: i for i, name in enumerate(self.files)}
-        return [StoredTensor(position[e.file], e.data_start, e.shape, e.itemsize) for e in self.entries]
+        return Tensors([StoredTensor(position[e.file], e.data_start, e.shape, e.itemsize) for e in self.entries])
 
     def need(self, chunk: Any) -> Need:
         entry = chunk.entry
@@ -95,7 +96,6 @@ class SpanLoad:
     """What one rank does in a cooperative read, and what it counted."""
 
     plan: ClusterPlan
-    rank: int
     storage_bytes: int = 0  # read from storage by this rank
     own_bytes: int = 0  # of this rank's needs, the bytes inside its own spans (not received)
     exchange: ExchangeStats = field(default_factory=ExchangeStats)
@@ -107,13 +107,12 @@ class _Needs:
     when it takes them as stored, else in a staging buffer made on first arrival; once a chunk's
     bytes are all in, its values go to the destination and ``finished(chunk)`` is called."""
 
-    def __init__(self, chunks: Sequence[Any], byte_view: Callable[[torch.Tensor], torch.Tensor],
-                 finished: Callable[[int], None]) -> None:
+    def __init__(self, chunks: Sequence[Any], finished: Callable[[int], None]) -> None:
         self._chunks, self._finished = chunks, finished
         self._lock = threading.Lock()
         self._remaining = [chunk.nbytes for chunk in chunks]
         self._buffers: dict[int, torch.Tensor] = {
-            i: byte_view(chunk.dest) for i, chunk in enumerate(chunks) if chunk.direct}
+            i: chunk.dest.reshape(-1).view(torch.uint8) for i, chunk in enumerate(chunks) if chunk.direct}
 
     def buffer(self, index: int) -> torch.Tensor:
         with self._lock:
@@ -132,11 +131,6 @@ class _Needs:
         if not chunk.direct:
             copy_into(chunk.dest, chunk.staged_view(buffer, 0))
         self._finished(index)
-
-    @property
-    def complete(self) -> bool:
-        with self._lock:
-            return not any(self._remaining)
 
 
 class _Spans:
@@ -195,7 +189,6 @@ def read_spans(
     location: CheckpointLocation,
     table: StoredTable,
     chunks: Sequence[Any],
-    byte_view: Callable[[torch.Tensor], torch.Tensor],
     finished: Callable[[int], None],
     gap: int,
     span_bytes: int,
@@ -212,18 +205,18 @@ def read_spans(
     returns having left the outcome of the others to agree on (``SpanLoad.exchange`` counts)."""
     began = time.perf_counter()
     rank, world = dist.get_rank(), dist.get_world_size()
-    tensors = Tensors(table.tensors)
+    tensors = table.tensors
     mine = Needs.of([table.need(chunk) for chunk in chunks], tensors)
     encoded, nodes = gather_needs(encode_needs(mine, tensors), node_id(node))
     needs = [mine if r == rank else decode_needs(encoded[r], tensors) for r in range(world)]
     plan = ClusterPlan.build(tensors, needs, table.files, nodes=nodes, gap=gap, span_bytes=span_bytes)
     owned = plan.owned(rank)
-    load = SpanLoad(plan, rank, plan.bytes_read(rank))
+    load = SpanLoad(plan, plan.bytes_read(rank))
 
     incoming = plan.route(mine)
     own = incoming.select(incoming.owner == rank)
     load.own_bytes = own.nbytes
-    target = _Needs(chunks, byte_view, finished)
+    target = _Needs(chunks, finished)
     from_peers = [incoming.select(incoming.owner == peer) if peer != rank else None for peer in range(world)]
     to_peers = [plan.route(needs[peer], within=owned) if peer != rank and len(owned) else None
                 for peer in range(world)]
@@ -263,7 +256,7 @@ def read_spans(
     thread.start()
     error: BaseException | None = None
     try:
-        _read_owned(location, table, plan, spans, own_runs, target, progress, request_bytes, threads,
+        _read_owned(location, plan, spans, own_runs, target, progress, request_bytes, threads,
                     stats, log, direct_io, stop=lambda: "error" in outcome or outcome["stats"].aborted)
     except BaseException as e:  # noqa: BLE001 - every rank learns of it through the exchange
         error = e
@@ -285,7 +278,7 @@ def _in_span(plan: ClusterPlan, run: Run) -> Region:
     return Region(run.span, run.start - int(plan.start[run.span]), run.nbytes, run.rows, run.stride)
 
 
-def _read_owned(location, table, plan, spans: _Spans, own_runs: dict[int, list[Run]], target: _Needs,
+def _read_owned(location, plan, spans: _Spans, own_runs: dict[int, list[Run]], target: _Needs,
                 progress: ReadProgress,
                 request_bytes: int, threads: int, stats: ReadStats, log, direct_io: bool,
                 stop: Callable[[], bool]) -> None:
