@@ -246,7 +246,7 @@ def _limit(job: Job, rank: int, url: str, options: dict[str, Any]) -> Row:
     import torch.distributed as dist
 
     from hp_dcp_hf import HFMappingPlanner, HFStorageReader
-    from hp_dcp_hf.storage.ranges import Request
+    from hp_dcp_hf.storage.format.ranges import Request
 
     row = Row(job.contender, rank)
     model = build(job, materialize=False)

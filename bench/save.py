@@ -39,8 +39,8 @@ def _recording_writer(out: str):
     """An ``HFStorageWriter`` to ``out`` that keeps every (file, offset, length) it writes, for the
     limit to replay (``writer.destination.ranges``)."""
     from hp_dcp_hf.storage import HFStorageWriter
-    from hp_dcp_hf.storage.destination import Directory
-    from hp_dcp_hf.storage.ranges import box_byte_ranges
+    from hp_dcp_hf.storage.format.ranges import box_byte_ranges
+    from hp_dcp_hf.storage.write.destination import Directory
 
     class RecordingDirectory(Directory):
         ranges: list[tuple[str, int, int]] = []

@@ -27,15 +27,15 @@ Per world and layout:
   and split into the rank-independent composition and the rank's own items), plan memory
   (tracemalloc peak), pickled plan size (what DCP gathers on the coordinator), read items and
   byte ranges, and a check that the planner's bytes equal the closed form;
-* cooperative reads by span ownership (:mod:`hp_dcp_hf.storage.spans`): *every* rank's read items
+* cooperative reads by span ownership (:mod:`hp_dcp_hf.storage.read.spans`): *every* rank's read items
   are planned (the traced composition reused; items only), each turned into the needs a
   cooperative ``read_data`` gathers (the item's box of its stored tensor, cut as the reader cuts
   its chunks, sorted by file and first byte), checked against the closed form on every rank.
   For sampled ranks, what one real rank pays before its first read is timed: decoding the others'
-  needs, :meth:`~hp_dcp_hf.storage.spans.ClusterPlan.build` over all of them, routing its own
+  needs, :meth:`~hp_dcp_hf.storage.read.spans.ClusterPlan.build` over all of them, routing its own
   needs, and routing every other rank's needs into its own spans (what it sends); then the spans,
   the bytes the cluster reads against the checkpoint, the gathered needs' size, and per rank the
-  bytes read from storage, received and sent (:func:`~hp_dcp_hf.storage.spans.traffic`).
+  bytes read from storage, received and sent (:func:`~hp_dcp_hf.storage.read.spans.traffic`).
 """
 
 from __future__ import annotations
@@ -317,10 +317,10 @@ def chunk_bytes() -> int:
 
 
 def stored_table(ckpt: Checkpoint):
-    """The :class:`~hp_dcp_hf.storage.span_reads.StoredTable` a reader builds of ``ckpt``: files by
+    """The :class:`~hp_dcp_hf.storage.read.span_reads.StoredTable` a reader builds of ``ckpt``: files by
     name, tensors by file and first byte."""
-    from hp_dcp_hf.storage.catalog import assemble
-    from hp_dcp_hf.storage.span_reads import StoredTable
+    from hp_dcp_hf.storage.format.catalog import assemble
+    from hp_dcp_hf.storage.read.span_reads import StoredTable
 
     return StoredTable.of({key: assemble(key, [entry]) for key, entry in ckpt.entries.items()})
 
@@ -330,8 +330,8 @@ def needs_of(items: Sequence[Any], ckpt: Checkpoint, table: Any, tensors: Sequen
     (whole, one-part) stored tensor, cut to ``budget`` bytes as the reader cuts its chunks, sorted by
     file and first byte."""
     from hp_dcp_hf.box import Box
-    from hp_dcp_hf.storage.ranges import box_span, split_box
-    from hp_dcp_hf.storage.spans import Need
+    from hp_dcp_hf.storage.format.ranges import box_span, split_box
+    from hp_dcp_hf.storage.read.spans import Need
 
     keyed = []
     for item in items:
@@ -369,10 +369,10 @@ def every_rank_needs(ckpt: Checkpoint, layout: Layout, composition: Any, table: 
 def rank_spans(rank: int, mine: Any, encoded: Sequence[Any], tensors: Any, files: Sequence[str],
                nodes: Sequence[int]) -> tuple[Any, dict[str, float], int]:
     """What ``rank`` computes in a cooperative ``read_data`` once the needs are gathered (as
-    :func:`~hp_dcp_hf.storage.span_reads.read_spans` does): decode the others' needs, build the
+    :func:`~hp_dcp_hf.storage.read.span_reads.read_spans` does): decode the others' needs, build the
     plan, route its own needs and every other rank's into its own spans. The plan, the seconds of
     each step, and the bytes it sends."""
-    from hp_dcp_hf.storage.spans import ClusterPlan, decode_needs
+    from hp_dcp_hf.storage.read.spans import ClusterPlan, decode_needs
 
     t0 = time.perf_counter()
     needs = [mine if r == rank else decode_needs(encoded[r], tensors) for r in range(len(encoded))]
@@ -396,7 +396,7 @@ def cached_needs(ckpt: Checkpoint, layout: Layout, composition: Any, table: Any,
     (planning every rank takes minutes; the needs depend on the layout and the chunk size only)."""
     import numpy as np
 
-    from hp_dcp_hf.storage.spans import encode_needs
+    from hp_dcp_hf.storage.read.spans import encode_needs
 
     root = Path(os.environ.get("BENCH_CACHE", Path.home() / ".cache" / "hp-dcp-hf-bench"))
     path = root / f"needs-{ckpt.files}files-{len(ckpt.entries)}-{layout.name}-{layout.world}-{budget}.npz"
@@ -442,7 +442,7 @@ def spans_record(ckpt: Checkpoint, layout: Layout, composition: Any, totals: dic
     rank's planning when it misses :data:`SPANS_TARGET_S`."""
     import numpy as np
 
-    from hp_dcp_hf.storage.spans import SPAN_BYTES, decode_needs, traffic
+    from hp_dcp_hf.storage.read.spans import SPAN_BYTES, decode_needs, traffic
 
     budget = chunk_bytes()
     table = stored_table(ckpt)

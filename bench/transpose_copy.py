@@ -1,4 +1,4 @@
-"""Transposing copies of MoE expert boxes: plain ``copy_`` against ``hp_dcp_hf.storage.copy.copy_into``.
+"""Transposing copies of MoE expert boxes: plain ``copy_`` against ``hp_dcp_hf.storage.read.copy.copy_into``.
 
 ``python -m bench.transpose_copy [--reps 7] [--slabs 64K,256K,1M] [--name NAME]``
 
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from hp_dcp_hf.storage import copy as tiled
+from hp_dcp_hf.storage.read import copy as tiled
 
 HIDDEN, INTERMEDIATE, EXPERTS = 1024, 512, 32
 

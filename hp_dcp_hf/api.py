@@ -23,12 +23,12 @@ from hp_dcp_hf.errors import (
     MissingKeysError,
     StorageWriteError,
 )
+from hp_dcp_hf.parallel.collectives import agree_on_failure, should_broadcast
 from hp_dcp_hf.planner import HFMappingPlanner, LoadReport, Unexpected, describe_keys
 from hp_dcp_hf.quantize import Quantize
 from hp_dcp_hf.save_planner import HFSavePlanner
 from hp_dcp_hf.storage import HFStorageReader
-from hp_dcp_hf.storage.broadcast import agree_on_failure, should_broadcast
-from hp_dcp_hf.storage.writer import HFStorageWriter
+from hp_dcp_hf.storage.write.writer import HFStorageWriter
 from hp_dcp_hf.written import WriteCheck, finish_through_load_state_dict, hook_made_entries, own_state_dict
 
 Loader = Literal["dcp", "legacy"]

@@ -551,7 +551,7 @@ def _save_dtype(choice: str, entries: Any, quantized: bool = False) -> Any:
 
 @_with_messages
 def cmd_repair(args: argparse.Namespace) -> int:
-    from hp_dcp_hf.storage.writer import destination_for
+    from hp_dcp_hf.storage.write.writer import destination_for
 
     print(f"{args.path}: {destination_for(args.path, args.storage_options).repair()}")
     return 0

@@ -52,8 +52,8 @@ from hp_dcp_hf.layout import local_tensor
 from hp_dcp_hf.model_dtype import AUTO, DtypeSpec, resolve_dtype
 from hp_dcp_hf.planner import HFMappingPlanner, LoadReport, PlanStats, Unexpected
 from hp_dcp_hf.storage import HFStorageReader, filesystem, locate
-from hp_dcp_hf.storage.header import MAX_HEADER_BYTES
-from hp_dcp_hf.storage.stats import FileStats
+from hp_dcp_hf.storage.format.header import MAX_HEADER_BYTES
+from hp_dcp_hf.storage.transport.stats import FileStats
 
 __all__ = [
     "CONFIG_FILE",

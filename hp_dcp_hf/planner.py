@@ -47,7 +47,7 @@ from hp_dcp_hf.mapping.quantized import (
 )
 from hp_dcp_hf.mapping.stages import model_stages, record_checkpoint_mapping, recorded_source_shapes
 from hp_dcp_hf.perf import paused_gc
-from hp_dcp_hf.storage.catalog import QUANTIZATION_CONFIG
+from hp_dcp_hf.storage.format.catalog import QUANTIZATION_CONFIG
 
 logger = logging.getLogger(__name__)
 

@@ -38,8 +38,8 @@ from hp_dcp_hf.errors import ArgumentError
 from hp_dcp_hf.layout import ShardPiece, shard_pieces
 from hp_dcp_hf.mapping.blocks import read_blocks
 from hp_dcp_hf.mapping.quantized import BlockScaled, _bands
-from hp_dcp_hf.storage.broadcast import collective_device
-from hp_dcp_hf.storage.destination import BoxWrite
+from hp_dcp_hf.parallel.collectives import collective_device
+from hp_dcp_hf.storage.write.destination import BoxWrite
 
 FP8 = torch.float8_e4m3fn
 FP8_MIN, FP8_MAX = torch.finfo(FP8).min, torch.finfo(FP8).max

@@ -68,6 +68,7 @@ from hp_dcp_hf.mapping.stages import (
     recorded_stages,
 )
 from hp_dcp_hf.mapping.symbolic import Piece
+from hp_dcp_hf.parallel.collectives import should_broadcast
 from hp_dcp_hf.parallel.replicas import ReplicaGroups
 from hp_dcp_hf.perf import paused_gc
 from hp_dcp_hf.planner import alias_groups
@@ -84,7 +85,6 @@ from hp_dcp_hf.quantize import (
     scale_storage,
     split_blocks,
 )
-from hp_dcp_hf.storage.broadcast import should_broadcast
 
 
 @dataclass(frozen=True)

@@ -33,9 +33,9 @@ from hp_dcp_hf.mapping.families import natural_sorted
 from hp_dcp_hf.model_dtype import AUTO, DtypeSpec, resolve_dtype
 from hp_dcp_hf.parallel.mesh import DENSE_DIMS, mesh_world_size, parse_mesh
 from hp_dcp_hf.storage import INDEX_FILE, HFStorageReader, ReadStats, filesystem, locate, scan
-from hp_dcp_hf.storage.catalog import QUANTIZATION_CONFIG, Catalog
-from hp_dcp_hf.storage.journal import SINGLE_FILE
-from hp_dcp_hf.storage.stats import FileStats
+from hp_dcp_hf.storage.format.catalog import QUANTIZATION_CONFIG, Catalog
+from hp_dcp_hf.storage.format.journal import SINGLE_FILE
+from hp_dcp_hf.storage.transport.stats import FileStats
 
 if TYPE_CHECKING:
     from hp_dcp_hf.parallel import TransformersPlans
@@ -384,7 +384,7 @@ def _quantization(quantization_config: Mapping[str, Any] | None) -> str | None:
 def reads_mapped(reader: HFStorageReader) -> bool:
     """Whether ``reader`` (after ``read_metadata``) copies out of memory mappings of the files: its
     ``requests`` then count contiguous byte runs copied (one per row of a row-sharded box), not
-    requests to storage (see :mod:`hp_dcp_hf.storage.stats`)."""
+    requests to storage (see :mod:`hp_dcp_hf.storage.transport.stats`)."""
     return reader._maps
 
 

@@ -45,8 +45,8 @@ def _fault(job: dict[str, Any], rank: int) -> None:
     trace = Path(job["out"], "trace.txt") if job.get("trace") and rank == 0 else None
     if not (kill and kill["rank"] == rank) and trace is None:
         return
-    from hp_dcp_hf.storage.destination import Destination, Directory
-    from hp_dcp_hf.storage.multipart import MultipartUploads
+    from hp_dcp_hf.storage.write.destination import Destination, Directory
+    from hp_dcp_hf.storage.write.multipart import MultipartUploads
 
     calls: dict[str, int] = {}
     for op in STEPS:
@@ -163,7 +163,7 @@ def serve() -> None:
 
     import hp_dcp_hf  # noqa: F401
     import hp_dcp_hf.api  # noqa: F401 - the package's own lazy imports too
-    import hp_dcp_hf.storage.multipart  # noqa: F401
+    import hp_dcp_hf.storage.write.multipart  # noqa: F401
     from tests.families import family_model_class, tiny_family_config
 
     tiny_family_config("llama"), family_model_class("llama")  # transformers' lazy imports; no torch op

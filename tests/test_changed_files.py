@@ -35,9 +35,9 @@ from hp_dcp_hf.api import unwrap_checkpoint_exception
 from hp_dcp_hf.errors import StorageReadError
 from hp_dcp_hf.launch import run_ranks
 from hp_dcp_hf.storage import HFStorageReader
-from hp_dcp_hf.storage.catalog import INDEX_FILE, Catalog, scan
-from hp_dcp_hf.storage.location import CheckpointLocation, FileVersion, filesystem, locate
-from hp_dcp_hf.storage.stats import ReadStats
+from hp_dcp_hf.storage.format.catalog import INDEX_FILE, Catalog, scan
+from hp_dcp_hf.storage.transport.location import CheckpointLocation, FileVersion, filesystem, locate
+from hp_dcp_hf.storage.transport.stats import ReadStats
 from tests.servers.fake_hub import FakeHub
 from tests.servers.range_server import Error, RangeServer, Resource
 from tests.servers.s3 import MotoS3

@@ -184,7 +184,7 @@ def test_inspect_inconsistent_index_is_an_error(capsys, llama, tmp_path):
 
 
 def test_inspect_tensors_lists_every_tensor_from_the_headers(capsys, mixtral, monkeypatch):
-    from hp_dcp_hf.storage.location import RangeFile
+    from hp_dcp_hf.storage.transport.location import RangeFile
 
     keys = checkpoint_keys(mixtral.path)
     headers = {f.name: json.loads(f.read_bytes()[8:8 + int.from_bytes(f.read_bytes()[:8], "little")])
@@ -287,7 +287,7 @@ def test_errors_are_one_line(capsys, llama, argv, words):
 @pytest.mark.parametrize("path", ["./nope", "../nope", "nope", "a/b/c", "~/hp-dcp-hf-nope", "/nonexistent/x",
                                   "nope.safetensors", "org/model.safetensors"])
 def test_missing_local_path_says_so_and_never_asks_the_hub(capsys, tmp_path, monkeypatch, path):
-    from hp_dcp_hf.storage import remote
+    from hp_dcp_hf.storage.transport import remote
 
     def no_hub(*args, **kwargs):
         raise AssertionError(f"{path!r} went to the Hub")

@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
 from hp_dcp_hf import HFStorageReader
-from hp_dcp_hf.storage import fsspec_backend
+from hp_dcp_hf.storage.transport import fsspec_backend
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

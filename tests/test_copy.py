@@ -10,8 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hp_dcp_hf.storage import copy as copy_module
-from hp_dcp_hf.storage.copy import copy_into
+from hp_dcp_hf.storage.read import copy as copy_module
+from hp_dcp_hf.storage.read.copy import copy_into
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hp_dcp_hf.errors import CheckpointFormatError
-from hp_dcp_hf.storage.journal import INDEX_FILE, SINGLE_FILE, Journal, Step, final_names, plan_publish
+from hp_dcp_hf.storage.format.journal import INDEX_FILE, SINGLE_FILE, Journal, Step, final_names, plan_publish
 
 SAVE_ID = "0123456789abcdef0123456789abcdef"
 
@@ -110,7 +110,7 @@ def test_an_unchanged_config_is_not_rewritten_and_leaves_no_hole():
 
 
 def test_a_directory_commits_only_from_the_save_s_staging(tmp_path):
-    from hp_dcp_hf.storage.destination import Directory
+    from hp_dcp_hf.storage.write.destination import Directory
 
     (tmp_path / "secret").write_text("x")
     for where in ("../secret", "/etc/passwd", f".hp-dcp-hf-staging-{SAVE_ID}/../../secret", ".hp-dcp-hf-staging-other/a"):
@@ -144,7 +144,7 @@ def test_a_publish_cut_after_any_step_and_replayed_twice_is_whole(tmp_path, monk
 
     import hp_dcp_hf
     from hp_dcp_hf.errors import StorageWriteError
-    from hp_dcp_hf.storage.destination import Destination, Directory
+    from hp_dcp_hf.storage.write.destination import Destination, Directory
     from tests.families import build_family_model, save_family_model
 
     old, new = build_family_model("llama", seed=1), build_family_model("llama", seed=2, dtype=torch.bfloat16)

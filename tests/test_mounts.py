@@ -8,8 +8,8 @@ import torch
 from safetensors.torch import save_file
 
 from hp_dcp_hf import HFStorageReader
-from hp_dcp_hf.storage import mounts
-from hp_dcp_hf.storage.catalog import Catalog
+from hp_dcp_hf.storage.format.catalog import Catalog
+from hp_dcp_hf.storage.transport import mounts
 
 TABLE = """\
 /dev/vda1 / ext4 rw,relatime 0 0

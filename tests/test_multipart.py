@@ -15,10 +15,10 @@ from hypothesis import strategies as st
 import hp_dcp_hf
 from hp_dcp_hf.box import Box
 from hp_dcp_hf.errors import StorageWriteError
-from hp_dcp_hf.storage.destination import BoxWrite, box_runs
-from hp_dcp_hf.storage.files import SavedTensor
-from hp_dcp_hf.storage.multipart import MultipartUploads
-from hp_dcp_hf.storage.parts import MAX_PARTS, MIN_PART_BYTES, file_parts, part_size, rounds
+from hp_dcp_hf.storage.format.files import SavedTensor
+from hp_dcp_hf.storage.write.destination import BoxWrite, box_runs
+from hp_dcp_hf.storage.write.multipart import MultipartUploads
+from hp_dcp_hf.storage.write.parts import MAX_PARTS, MIN_PART_BYTES, file_parts, part_size, rounds
 from tests.families import family_model_class, tiny_family_config
 from tests.servers.s3 import MotoS3
 from tests.test_save import anonymized
@@ -168,8 +168,8 @@ def test_a_smaller_checkpoint_replaces_a_sharded_one_entirely(moto):
 
 def test_box_runs_cover_a_part_exactly_or_the_part_is_refused():
     """What a part's owner checks before uploading: every byte of the part, once."""
-    from hp_dcp_hf.storage.multipart import _assemble
-    from hp_dcp_hf.storage.parts import Part
+    from hp_dcp_hf.storage.write.multipart import _assemble
+    from hp_dcp_hf.storage.write.parts import Part
 
     part = Part("f", 1, 0, 16)
     header = b"12345678"

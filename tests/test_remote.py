@@ -27,10 +27,10 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadIte
 
 from hp_dcp_hf import HFMappingPlanner, HFStorageReader, load_hf_checkpoint
 from hp_dcp_hf.errors import CheckpointFormatError, CheckpointNotFoundError, StorageReadError
-from hp_dcp_hf.storage.catalog import INDEX_FILE
-from hp_dcp_hf.storage.location import FsspecBackend, filesystem, locate
-from hp_dcp_hf.storage.remote import HttpBackend, HubBackend, RetryPolicy
-from hp_dcp_hf.storage.s3 import S3Backend, client_settings
+from hp_dcp_hf.storage.format.catalog import INDEX_FILE
+from hp_dcp_hf.storage.transport.location import FsspecBackend, filesystem, locate
+from hp_dcp_hf.storage.transport.remote import HttpBackend, HubBackend, RetryPolicy
+from hp_dcp_hf.storage.transport.s3 import S3Backend, client_settings
 from tests.models import model_class, tiny_config
 from tests.servers.fake_hub import FakeHub
 from tests.servers.range_server import LoggedRequest, StaticRangeServer

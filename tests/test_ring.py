@@ -1,4 +1,4 @@
-"""The staging ring (:mod:`hp_dcp_hf.storage.ring`) on CPU destinations, in one process.
+"""The staging ring (:mod:`hp_dcp_hf.storage.read.ring`) on CPU destinations, in one process.
 
 CUDA destinations take the same route as a host destination that is not a plain CPU tensor: every
 chunk read into a ring slot, then copied out of it. Forcing that route on CPU tensors (``_Chunk.host``
@@ -19,9 +19,9 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 
 from hp_dcp_hf import load_hf_checkpoint
-from hp_dcp_hf.storage import reader as reader_module
-from hp_dcp_hf.storage.reader import HFStorageReader
-from hp_dcp_hf.storage.ring import SlotCopier, StagingRing
+from hp_dcp_hf.storage.read import reader as reader_module
+from hp_dcp_hf.storage.read.reader import HFStorageReader
+from hp_dcp_hf.storage.read.ring import SlotCopier, StagingRing
 from tests.models import build_model
 
 TENSORS = {

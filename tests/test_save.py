@@ -23,8 +23,8 @@ from safetensors.torch import load_file
 
 import hp_dcp_hf
 from hp_dcp_hf.errors import InterruptedSaveError, MixedCheckpointError, PlanningError, StorageWriteError
-from hp_dcp_hf.storage.files import layout_file
-from hp_dcp_hf.storage.journal import INDEX_FILE, SAVE_ID_KEY, STAGING_PREFIX
+from hp_dcp_hf.storage.format.files import layout_file
+from hp_dcp_hf.storage.format.journal import INDEX_FILE, SAVE_ID_KEY, STAGING_PREFIX
 from hp_dcp_hf.toolkit import inspect_checkpoint
 from tests.families import build_family_model, family_model_class, save_family_model
 
@@ -135,7 +135,7 @@ def test_max_shard_size_defaults_to_save_pretrained_s(tmp_path):
 
     from transformers import PreTrainedModel
 
-    from hp_dcp_hf.storage.files import save_pretrained_max_shard_size
+    from hp_dcp_hf.storage.format.files import save_pretrained_max_shard_size
 
     default = inspect.signature(PreTrainedModel.save_pretrained).parameters["max_shard_size"].default
     assert save_pretrained_max_shard_size() == default
@@ -210,7 +210,7 @@ def test_a_shard_of_another_save_is_refused_naming_it(tmp_path):
 def test_two_saves_into_one_path_at_once(tmp_path, monkeypatch):
     """While one save writes, a second into the same path raises at once and changes nothing; the
     first completes, and the path holds its checkpoint whole."""
-    from hp_dcp_hf.storage.destination import Directory
+    from hp_dcp_hf.storage.write.destination import Directory
 
     first, second = build_family_model("llama", seed=1), build_family_model("llama", seed=2)
     writing, release = threading.Event(), threading.Event()
@@ -250,7 +250,7 @@ def test_a_publish_interrupted_in_its_hole_is_named_and_repaired(tmp_path, capsy
     """A save whose config differs removes the old entry file before writing config.json: killed
     there, both readers refuse the path (no mix); ``hp-dcp-hf repair`` completes the new checkpoint."""
     from hp_dcp_hf.cli import main
-    from hp_dcp_hf.storage.destination import Directory
+    from hp_dcp_hf.storage.write.destination import Directory
 
     path = save_family_model(build_family_model("llama", seed=1), tmp_path / "ckpt", SHARD)
     model = build_family_model("llama", seed=2, dtype=torch.bfloat16)  # another dtype: another config.json

@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hp_dcp_hf.box import Box
-from hp_dcp_hf.storage.exchange import ReadProgress, Region, Stream
-from hp_dcp_hf.storage.spans import (
+from hp_dcp_hf.storage.read.exchange import ReadProgress, Region, Stream
+from hp_dcp_hf.storage.read.spans import (
     ClusterPlan,
     Need,
     StoredTensor,

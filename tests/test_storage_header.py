@@ -12,11 +12,11 @@ from fsspec.implementations.local import LocalFileSystem
 from safetensors.torch import save_file
 
 from hp_dcp_hf.errors import CheckpointFormatError, UnsupportedDtypeError
-from hp_dcp_hf.storage import location as location_module
-from hp_dcp_hf.storage.dtypes import SAFETENSORS_DTYPES, lookup_dtype
-from hp_dcp_hf.storage.header import MAX_HEADER_BYTES, read_header
-from hp_dcp_hf.storage.location import CheckpointLocation
-from hp_dcp_hf.storage.stats import ReadStats
+from hp_dcp_hf.storage.format.dtypes import SAFETENSORS_DTYPES, lookup_dtype
+from hp_dcp_hf.storage.format.header import MAX_HEADER_BYTES, read_header
+from hp_dcp_hf.storage.transport import location as location_module
+from hp_dcp_hf.storage.transport.location import CheckpointLocation
+from hp_dcp_hf.storage.transport.stats import ReadStats
 
 BAD = "bad.safetensors"
 

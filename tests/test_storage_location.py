@@ -16,12 +16,12 @@ from hp_dcp_hf.errors import (
     StorageReadError,
     UnsafeCheckpointError,
 )
-from hp_dcp_hf.storage import fsspec_backend
-from hp_dcp_hf.storage import location as location_module
-from hp_dcp_hf.storage.catalog import INDEX_FILE, Catalog, scan
-from hp_dcp_hf.storage.location import CheckpointLocation, filesystem, locate
-from hp_dcp_hf.storage.reader import HFStorageReader
-from hp_dcp_hf.storage.stats import ReadStats
+from hp_dcp_hf.storage.format.catalog import INDEX_FILE, Catalog, scan
+from hp_dcp_hf.storage.read.reader import HFStorageReader
+from hp_dcp_hf.storage.transport import fsspec_backend
+from hp_dcp_hf.storage.transport import location as location_module
+from hp_dcp_hf.storage.transport.location import CheckpointLocation, filesystem, locate
+from hp_dcp_hf.storage.transport.stats import ReadStats
 
 A = {"a.w": torch.arange(6.0).reshape(2, 3), "a.b": torch.ones(3, dtype=torch.bfloat16)}
 B = {"b.w": torch.arange(4, dtype=torch.int64)}

@@ -20,8 +20,8 @@ from safetensors.torch import save_file
 from hp_dcp_hf import HFStorageReader
 from hp_dcp_hf.errors import CheckpointFormatError, CheckpointNotFoundError, UnsafeCheckpointError
 from hp_dcp_hf.launch import free_port
-from hp_dcp_hf.storage.catalog import INDEX_FILE
-from hp_dcp_hf.storage.remote import UnreachableError
+from hp_dcp_hf.storage.format.catalog import INDEX_FILE
+from hp_dcp_hf.storage.transport.remote import UnreachableError
 from tests.servers.s3 import MotoS3
 
 FAST = {"attempts": 2, "backoff_s": 0.01, "max_backoff_s": 0.02, "deadline_s": 5.0, "connect_timeout_s": 2.0}

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hp_dcp_hf.box import Box, disjoint_cover, flat_range_boxes
-from hp_dcp_hf.storage.ranges import (
+from hp_dcp_hf.storage.format.ranges import (
     Piece,
     box_byte_ranges,
     box_span,

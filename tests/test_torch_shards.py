@@ -5,7 +5,7 @@ holds, placed by ``DCP_SHARDING_INFO`` in the header's ``__metadata__``; no inde
 come from torch's own writer: its ``write_data``, called once per simulated rank with that rank's
 chunks (what ``dcp.save`` does on each rank once the plans are made), so names, headers and offsets
 are torch's byte for byte, in any layout, broken ones included. Also: the pure tiling logic
-(:func:`~hp_dcp_hf.storage.catalog.assemble`, :meth:`CheckpointTensor.pieces`) and the header
+(:func:`~hp_dcp_hf.storage.format.catalog.assemble`, :meth:`CheckpointTensor.pieces`) and the header
 rules of ``DCP_SHARDING_INFO``. Saves from DTensors on real ranks: tests/dist/test_torch_shards_dist.py.
 """
 
@@ -37,10 +37,10 @@ from transformers.core_model_loading import Concatenate, WeightConverter
 from hp_dcp_hf import HFMappingPlanner, HFStorageReader
 from hp_dcp_hf.box import Box
 from hp_dcp_hf.errors import CheckpointFormatError
-from hp_dcp_hf.storage.catalog import INDEX_FILE, Catalog, assemble, scan
-from hp_dcp_hf.storage.header import SAVED_OFFSETS_KEY, SHARDING_INFO_KEY, TensorEntry
-from hp_dcp_hf.storage.location import filesystem, locate
-from hp_dcp_hf.storage.stats import ReadStats
+from hp_dcp_hf.storage.format.catalog import INDEX_FILE, Catalog, assemble, scan
+from hp_dcp_hf.storage.format.header import SAVED_OFFSETS_KEY, SHARDING_INFO_KEY, TensorEntry
+from hp_dcp_hf.storage.transport.location import filesystem, locate
+from hp_dcp_hf.storage.transport.stats import ReadStats
 from tests.test_remote import _Into
 
 _RANDOM = torch.Generator().manual_seed(0)

@@ -69,9 +69,9 @@ from hp_dcp_hf.mapping.families import natural_sorted
 from hp_dcp_hf.planner import HFMappingPlanner, LoadReport, describe_keys
 from hp_dcp_hf.save_planner import HFSavePlanner
 from hp_dcp_hf.storage import HFStorageReader, filesystem, locate
-from hp_dcp_hf.storage.header import MAX_HEADER_BYTES
-from hp_dcp_hf.storage.journal import Journal, Step
-from hp_dcp_hf.storage.writer import HFStorageWriter
+from hp_dcp_hf.storage.format.header import MAX_HEADER_BYTES
+from hp_dcp_hf.storage.format.journal import Journal, Step
+from hp_dcp_hf.storage.write.writer import HFStorageWriter
 
 __all__ = [
     "ADAPTER_CONFIG",
@@ -393,7 +393,7 @@ def load_peft_adapter(
 class AdapterStorageWriter(HFStorageWriter):
     """:class:`~hp_dcp_hf.storage.HFStorageWriter` laying out the one file ``peft`` writes,
     ``adapter_model.safetensors`` (no index), and publishing it with ``adapter_config.json``
-    through the same journaled switch as every save (:mod:`hp_dcp_hf.storage.journal`): the
+    through the same journaled switch as every save (:mod:`hp_dcp_hf.storage.format.journal`): the
     weights file is the entry, committed last; when the config changes, the old weights file is
     removed before the new config is written, so no reader pairs a new config with old weights."""
 

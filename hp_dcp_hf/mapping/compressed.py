@@ -46,11 +46,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from transformers.utils import CONFIG_NAME as CONFIG_FILE
 
 from hp_dcp_hf.box import Box
 from hp_dcp_hf.errors import QuantizationError
 from hp_dcp_hf.mapping.compose import TensorSpec
-from hp_dcp_hf.storage.catalog import CONFIG_FILE
 
 QUANT_METHOD = "compressed-tensors"
 NAIVE = frozenset({"naive-quantized", "float-quantized", "int-quantized", "mxfp8-quantized"})

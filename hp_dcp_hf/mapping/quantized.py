@@ -33,11 +33,11 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
+from transformers.utils import CONFIG_NAME as _CONFIG_FILE
 
 from hp_dcp_hf.box import Box
 from hp_dcp_hf.errors import QuantizationError
 from hp_dcp_hf.mapping.compose import TensorSpec
-from hp_dcp_hf.storage.catalog import CONFIG_FILE as _CONFIG_FILE
 
 _FP8 = frozenset(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
                  if hasattr(torch, n))

@@ -1,15 +1,40 @@
 """Bytes of safetensors checkpoints: locate files, validate headers, read exact byte ranges, write
-new checkpoints in place."""
+new checkpoints in place.
 
-from hp_dcp_hf.storage.catalog import INDEX_FILE, Catalog, CheckpointTensor, find_files, parse_index, scan
-from hp_dcp_hf.storage.dtypes import SAFETENSORS_DTYPES, SafetensorsDtype, lookup_dtype
-from hp_dcp_hf.storage.header import MAX_HEADER_BYTES, FileHeader, TensorEntry, parse_header, read_header
-from hp_dcp_hf.storage.location import CheckpointLocation, RangeFile, filesystem, locate
-from hp_dcp_hf.storage.ranges import Piece, Request, box_byte_ranges, coalesce, split_box
-from hp_dcp_hf.storage.reader import HFStorageReader
-from hp_dcp_hf.storage.remote import RetryPolicy
-from hp_dcp_hf.storage.stats import FileStats, ReadStats
-from hp_dcp_hf.storage.writer import HFStorageWriter
+Four layers, each importing only the ones before it:
+
+* :mod:`~hp_dcp_hf.storage.transport`: where a checkpoint lives (local path, fsspec URL, S3, HTTP)
+  and how its bytes travel: ranged reads, retries, byte and request counts.
+* :mod:`~hp_dcp_hf.storage.format`: the safetensors format: headers, dtypes, the catalog of a
+  checkpoint's files, the byte ranges of a box, the save journal.
+* :mod:`~hp_dcp_hf.storage.read`: the DCP ``StorageReader`` (:class:`HFStorageReader`), its copies
+  and staging ring, span ownership and the exchange that shares read bytes between ranks.
+* :mod:`~hp_dcp_hf.storage.write`: the DCP ``StorageWriter`` (:class:`HFStorageWriter`), its
+  destinations (local files, multipart uploads) and the parts each rank writes.
+"""
+
+from hp_dcp_hf.storage.format.catalog import (
+    INDEX_FILE,
+    Catalog,
+    CheckpointTensor,
+    find_files,
+    parse_index,
+    scan,
+)
+from hp_dcp_hf.storage.format.dtypes import SAFETENSORS_DTYPES, SafetensorsDtype, lookup_dtype
+from hp_dcp_hf.storage.format.header import (
+    MAX_HEADER_BYTES,
+    FileHeader,
+    TensorEntry,
+    parse_header,
+    read_header,
+)
+from hp_dcp_hf.storage.format.ranges import Piece, Request, box_byte_ranges, coalesce, split_box
+from hp_dcp_hf.storage.read.reader import HFStorageReader
+from hp_dcp_hf.storage.transport.location import CheckpointLocation, RangeFile, filesystem, locate
+from hp_dcp_hf.storage.transport.remote import RetryPolicy
+from hp_dcp_hf.storage.transport.stats import FileStats, ReadStats
+from hp_dcp_hf.storage.write.writer import HFStorageWriter
 
 __all__ = [
     "INDEX_FILE",

@@ -97,7 +97,8 @@ def _failures(rank: int, path: str) -> dict[str, str]:
     from hp_dcp_hf import HFMappingPlanner, HFStorageReader
     from hp_dcp_hf.errors import MappingError, StorageReadError
     from hp_dcp_hf.pipeline import from_pretrained
-    from hp_dcp_hf.storage import exchange, fsspec_backend
+    from hp_dcp_hf.storage.read import exchange
+    from hp_dcp_hf.storage.transport import fsspec_backend
 
     def plan_fails(self, *args):
         raise MappingError("injected planning failure")
@@ -246,7 +247,7 @@ def _dying_rank(rank: int, world: int, port: int, path: str, out: str) -> None:
 
     from hp_dcp_hf import HFStorageReader
     from hp_dcp_hf.pipeline import from_pretrained
-    from hp_dcp_hf.storage import exchange
+    from hp_dcp_hf.storage.read import exchange
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     if rank == 3:
@@ -293,7 +294,7 @@ def _overlap(rank: int, world: int) -> dict:
     span 0 have arrived: the exchange must send what is read while the reads go on."""
     import threading
 
-    from hp_dcp_hf.storage.exchange import ReadProgress, Region, Stream, exchange
+    from hp_dcp_hf.storage.read.exchange import ReadProgress, Region, Stream, exchange
 
     peer = 1 - rank
     spans = {s: torch.full((8,), 10 * rank + s, dtype=torch.uint8) for s in (0, 1)}

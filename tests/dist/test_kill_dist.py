@@ -32,8 +32,8 @@ import torch
 
 import hp_dcp_hf
 from hp_dcp_hf.errors import HPDCPHFError
-from hp_dcp_hf.storage.journal import JOURNAL_FILE
-from hp_dcp_hf.storage.writer import destination_for
+from hp_dcp_hf.storage.format.journal import JOURNAL_FILE
+from hp_dcp_hf.storage.write.writer import destination_for
 from tests.families import family_model_class, save_family_model
 from tests.save_jobs import SHARD, Zygote, build_model
 from tests.servers.s3 import MotoS3

@@ -157,8 +157,8 @@ def _s3_save(rank: int, world: int, checkpoint: str, out: str, prefix: str, opti
 
     from hp_dcp_hf import HFSavePlanner, HFStorageWriter, from_pretrained, save_hf_checkpoint
     from hp_dcp_hf.errors import MappingError
-    from hp_dcp_hf.storage.multipart import MultipartUploads
-    from hp_dcp_hf.storage.parts import MIN_PART_BYTES
+    from hp_dcp_hf.storage.write.multipart import MultipartUploads
+    from hp_dcp_hf.storage.write.parts import MIN_PART_BYTES
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -190,7 +190,7 @@ def _s3_save(rank: int, world: int, checkpoint: str, out: str, prefix: str, opti
 
 
 def test_4_ranks_save_to_s3_what_they_save_locally(tmp_path):
-    from hp_dcp_hf.storage.parts import MIN_PART_BYTES
+    from hp_dcp_hf.storage.write.parts import MIN_PART_BYTES
     from tests.servers.s3 import MotoS3
     from tests.test_multipart import BUCKET, big_llama, local_files, objects, pending_uploads
 

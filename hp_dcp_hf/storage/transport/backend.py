@@ -1,5 +1,5 @@
 """The backend interface: what a checkpoint load asks of any store, in one module every backend
-and :mod:`~hp_dcp_hf.storage.location` depend on (and which depends on none of them).
+and :mod:`~hp_dcp_hf.storage.transport.location` depend on (and which depends on none of them).
 
 * :class:`Backend`: metadata (``locate``, ``isfile``, ``size``/``stat``, ``list_files``) and
   :meth:`Backend.open`, the one call every rank makes;

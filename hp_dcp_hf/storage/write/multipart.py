@@ -1,7 +1,7 @@
 """Saving to S3: one multipart upload per file, each part assembled by one rank.
 
 The coordinator creates every file's upload (invisible until completed) and shares the upload ids
-through the plan. The files are cut into fixed parts (:mod:`hp_dcp_hf.storage.parts`), taken
+through the plan. The files are cut into fixed parts (:mod:`hp_dcp_hf.storage.write.parts`), taken
 ``world`` at a time: in each round every rank cuts the runs of its boxes that fall in the round's
 parts, sends each run to the part's owner (three ``all_to_all`` s on a CPU group: counts, then
 ``(offset, length)`` rows, then the bytes), and uploads the part it received while the next round
@@ -13,7 +13,7 @@ A failure anywhere travels with the next exchange (a flag in the counts), so eve
 the same round and raises the failing rank's error; the coordinator then aborts the uploads, and an
 older checkpoint at the path is untouched. Publishing checks each upload's parts with the server
 (``ListParts``: every part present with its planned size), then journals the switch
-(:mod:`hp_dcp_hf.storage.journal`): uploads are completed, ``config.json`` and the index put as
+(:mod:`hp_dcp_hf.storage.format.journal`): uploads are completed, ``config.json`` and the index put as
 its steps say. A save holds a lease object under the prefix (created with ``If-None-Match``,
 renewed in the background); a dead save's lease (expired, or of a process gone on this host) is
 taken over with ``If-Match``, and the uploads it left are aborted (``ListMultipartUploads``).
@@ -38,11 +38,11 @@ import torch
 import torch.distributed as dist
 
 from hp_dcp_hf.errors import HPDCPHFError, StorageWriteError
-from hp_dcp_hf.storage.broadcast import agree_on_failure, should_broadcast
-from hp_dcp_hf.storage.destination import BoxWrite, Destination, Staged, box_runs, owner_text
-from hp_dcp_hf.storage.files import SavedFile
-from hp_dcp_hf.storage.journal import LOCK_FILE, WEIGHT_FILE, Journal
-from hp_dcp_hf.storage.parts import Part, file_parts, part_size, rounds
+from hp_dcp_hf.parallel.collectives import agree_on_failure, should_broadcast
+from hp_dcp_hf.storage.format.files import SavedFile
+from hp_dcp_hf.storage.format.journal import LOCK_FILE, WEIGHT_FILE, Journal
+from hp_dcp_hf.storage.write.destination import BoxWrite, Destination, Staged, box_runs, owner_text
+from hp_dcp_hf.storage.write.parts import Part, file_parts, part_size, rounds
 
 DEFAULT_PART_BYTES = 16 * 2**20
 """Part size: large enough for S3's per-request cost, small enough that a rank's memory stays near

@@ -8,7 +8,7 @@ copy), or are mapped into memory (:meth:`RangeFile.mapped`) so that a box is one
 instead of one read per row; other fsspec filesystems (``s3://``, ``memory://``, ...) get exact ranged ``cat_file``
 calls (never ``open()``, whose read-ahead fetches far past the range), retried on transient
 errors; ``http(s)://`` URLs and Hugging Face Hub repos (``hf://``, bare ``org/repo``) have
-backends of their own in :mod:`hp_dcp_hf.storage.remote`.
+backends of their own in :mod:`hp_dcp_hf.storage.transport.remote`.
 
 Only :meth:`Backend.open` (and the reads of the handle it returns) runs on every rank during a
 load; everything else is metadata, asked by the rank that reads the headers.
@@ -31,8 +31,8 @@ import fsspec
 from fsspec import AbstractFileSystem
 
 from hp_dcp_hf.errors import CheckpointNotFoundError, HPDCPHFError
-from hp_dcp_hf.storage import remote
-from hp_dcp_hf.storage.backend import (
+from hp_dcp_hf.storage.transport import remote
+from hp_dcp_hf.storage.transport.backend import (
     REMOTE_COALESCE_GAP,
     Backend,
     FileVersion,
@@ -42,7 +42,7 @@ from hp_dcp_hf.storage.backend import (
     fill_views,
     host_name,
 )
-from hp_dcp_hf.storage.fsspec_backend import (
+from hp_dcp_hf.storage.transport.fsspec_backend import (
     REMOTE_BLOCK_BYTES,
     FsspecBackend,
     _FsspecFile,
@@ -50,7 +50,7 @@ from hp_dcp_hf.storage.fsspec_backend import (
     fsspec_error_is_transient,
     local_version,
 )
-from hp_dcp_hf.storage.s3 import S3Backend
+from hp_dcp_hf.storage.transport.s3 import S3Backend
 
 __all__ = [  # the backend interface and the fsspec backend, importable from here as before
     "REMOTE_BLOCK_BYTES",
@@ -119,10 +119,10 @@ def filesystem(
     repo id ``org/repo[@revision]`` that is not an existing local path. A path starting with
     ``./``, ``../``, ``/`` or ``~``, or ending in ``.safetensors``, is always local (never a Hub
     repo id), so a missing one fails as "does not exist locally". ``storage_options`` go to
-    the backend (see :mod:`hp_dcp_hf.storage.remote` for the http and Hub ones); ``retry`` is the
-    :class:`~hp_dcp_hf.storage.backend.RetryPolicy` (or its fields as a dict) of remote reads;
+    the backend (see :mod:`hp_dcp_hf.storage.transport.remote` for the http and Hub ones); ``retry`` is the
+    :class:`~hp_dcp_hf.storage.transport.backend.RetryPolicy` (or its fields as a dict) of remote reads;
     ``concurrency`` is how many reads the caller keeps in flight (S3 sizes its connection pool and
-    starts its client for it; see :mod:`hp_dcp_hf.storage.s3`).
+    starts its client for it; see :mod:`hp_dcp_hf.storage.transport.s3`).
     """
     text = os.fspath(path)
     options = dict(storage_options or {})

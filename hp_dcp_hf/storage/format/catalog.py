@@ -12,7 +12,7 @@ two files is an error, since either choice would be a silent guess, except where
 ``DCP_SHARDING_INFO``. Such a key is one :class:`CheckpointTensor` of several parts, as torch's own
 reader rebuilds it (its shape the furthest chunk end in every dim), and its chunks must tile that
 shape exactly, in one dtype. Pickle checkpoints are refused.
-Files written by hp-dcp-hf carry their save's id (:mod:`hp_dcp_hf.storage.journal`): every file
+Files written by hp-dcp-hf carry their save's id (:mod:`hp_dcp_hf.storage.format.journal`): every file
 read must carry the index's, so a mix of two saves is an error naming the odd files, not a load.
 
 A :class:`Catalog` round-trips through JSON so that one rank can read every header and hand the
@@ -41,8 +41,8 @@ from hp_dcp_hf.errors import (
     MixedCheckpointError,
     UnsafeCheckpointError,
 )
-from hp_dcp_hf.storage.dtypes import lookup_dtype
-from hp_dcp_hf.storage.header import (
+from hp_dcp_hf.storage.format.dtypes import lookup_dtype
+from hp_dcp_hf.storage.format.header import (
     MAX_HEADER_BYTES,
     SHARDING_INFO_KEY,
     FileHeader,
@@ -50,9 +50,9 @@ from hp_dcp_hf.storage.header import (
     loads_json_object,
     read_header,
 )
-from hp_dcp_hf.storage.journal import INDEX_FILE, JOURNAL_FILE, SAVE_ID_KEY, SINGLE_FILE
-from hp_dcp_hf.storage.location import CheckpointLocation, FileVersion
-from hp_dcp_hf.storage.stats import ReadStats
+from hp_dcp_hf.storage.format.journal import INDEX_FILE, JOURNAL_FILE, SAVE_ID_KEY, SINGLE_FILE
+from hp_dcp_hf.storage.transport.location import CheckpointLocation, FileVersion
+from hp_dcp_hf.storage.transport.stats import ReadStats
 
 CONFIG_FILE = "config.json"
 QUANTIZATION_CONFIG = "hp_dcp_hf.quantization_config"
@@ -196,7 +196,7 @@ class Catalog:
     """Every tensor of a checkpoint by key; file names are relative to ``root``.
 
     ``versions``: each file as it was when its header was read (size and version tag); a
-    :class:`~hp_dcp_hf.storage.location.CheckpointLocation` given them checks data reads against them.
+    :class:`~hp_dcp_hf.storage.transport.location.CheckpointLocation` given them checks data reads against them.
     ``quantization_config``: the ``quantization_config`` of the directory's ``config.json``, if any
     (a quantized checkpoint's tensors only mean something with it). ``shared``: whether ``root``
     lies on storage other machines read too (``Backend.shared``), as the rank that scanned saw it:

@@ -1,13 +1,13 @@
 """Remote checkpoints: S3 (and any fsspec store), plain HTTP(S) and the Hugging Face Hub.
 
-Each kind of store is a :class:`~hp_dcp_hf.storage.backend.Backend`; what differs between them
+Each kind of store is a :class:`~hp_dcp_hf.storage.transport.backend.Backend`; what differs between them
 stays in its own module:
 
-* **S3** (``s3://``): :mod:`hp_dcp_hf.storage.s3`, metadata through s3fs, data through a botocore
+* **S3** (``s3://``): :mod:`hp_dcp_hf.storage.transport.s3`, metadata through s3fs, data through a botocore
   client of our own; storage options as s3fs takes them (``key``, ``secret``,
   ``client_kwargs={"endpoint_url": ...}``, ``config_kwargs``, ``anon``, ...).
 * **other fsspec stores** (``gs://``, ``memory://``, ...):
-  :class:`~hp_dcp_hf.storage.fsspec_backend.FsspecBackend` with exact ranged ``cat_file`` calls
+  :class:`~hp_dcp_hf.storage.transport.fsspec_backend.FsspecBackend` with exact ranged ``cat_file`` calls
   (never ``open()``: no read-ahead), retried under :class:`RetryPolicy`.
 * **HTTP(S)** (:class:`HttpBackend`): a directory URL must serve ``model.safetensors.index.json``
   (a web server cannot be listed), or the URL names one ``.safetensors`` file. Every read is a
@@ -49,7 +49,7 @@ from urllib.parse import quote, urlsplit
 from fsspec import AbstractFileSystem
 
 from hp_dcp_hf.errors import CheckpointNotFoundError, HPDCPHFError, StorageReadError
-from hp_dcp_hf.storage.backend import (
+from hp_dcp_hf.storage.transport.backend import (
     CONTENT_RANGE,
     Backend,
     Body,

@@ -4,7 +4,7 @@ Local files get ``os.preadv`` straight into the caller's buffers (no intermediat
 mapped into memory (:meth:`RangeFile.mapped`) so that a box is one strided copy instead of one read
 per row; other fsspec filesystems (``memory://``, ``gs://``, ...) get exact ranged ``cat_file``
 calls (never ``open()``, whose read-ahead fetches far past the range), retried on transient
-errors. The S3 backend (:mod:`hp_dcp_hf.storage.s3`) builds on :class:`FsspecBackend` for its
+errors. The S3 backend (:mod:`hp_dcp_hf.storage.transport.s3`) builds on :class:`FsspecBackend` for its
 metadata.
 """
 
@@ -22,7 +22,7 @@ from fsspec import AbstractFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
 from hp_dcp_hf.errors import CheckpointNotFoundError, HPDCPHFError, StorageReadError
-from hp_dcp_hf.storage.backend import (
+from hp_dcp_hf.storage.transport.backend import (
     REMOTE_COALESCE_GAP,
     Backend,
     FileVersion,
@@ -32,7 +32,7 @@ from hp_dcp_hf.storage.backend import (
     fill_views,
     host_name,
 )
-from hp_dcp_hf.storage.mounts import filesystem_type, is_shared
+from hp_dcp_hf.storage.transport.mounts import filesystem_type, is_shared
 
 T = TypeVar("T")
 
@@ -227,7 +227,7 @@ def fsspec_error_is_transient(error: BaseException) -> bool:
 class _FsspecFile(RangeFile):
     """Any other fsspec filesystem: exact ranged ``cat_file`` calls of at most REMOTE_BLOCK_BYTES.
 
-    Transient errors are retried under ``retry`` (see :class:`~hp_dcp_hf.storage.backend.RetryPolicy`);
+    Transient errors are retried under ``retry`` (see :class:`~hp_dcp_hf.storage.transport.backend.RetryPolicy`);
     a body shorter than asked is a file shorter than its header says, one longer is a server that
     ignored the range: both raise at once. ``cat_file`` shows no response headers, so against an
     ``expected`` version only a short body is checked (as a changed size); stores with headers to

@@ -27,9 +27,9 @@ import torch
 
 from hp_dcp_hf.box import Box
 from hp_dcp_hf.errors import CheckpointFormatError
-from hp_dcp_hf.storage.dtypes import lookup_dtype
-from hp_dcp_hf.storage.location import CheckpointLocation
-from hp_dcp_hf.storage.stats import ReadStats
+from hp_dcp_hf.storage.format.dtypes import lookup_dtype
+from hp_dcp_hf.storage.transport.location import CheckpointLocation
+from hp_dcp_hf.storage.transport.stats import ReadStats
 
 HEADER_LEN_BYTES = 8
 MAX_HEADER_BYTES = 100_000_000

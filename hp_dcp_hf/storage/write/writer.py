@@ -2,15 +2,15 @@
 pass, each rank its own bytes at their final offsets, published atomically.
 
 Every rank lays the files out alike from the tensor specs its planner gives
-(:mod:`hp_dcp_hf.storage.files`); no data is exchanged for it. The coordinator stages the files
+(:mod:`hp_dcp_hf.storage.format.files`); no data is exchanged for it. The coordinator stages the files
 (invisible under their final names), every rank writes the boxes its plan holds, and only after
 every rank reported success does the coordinator publish them through one atomic switch
-(:mod:`hp_dcp_hf.storage.journal`), removing what an older checkpoint at the path had and this one
+(:mod:`hp_dcp_hf.storage.format.journal`), removing what an older checkpoint at the path had and this one
 does not. Every file and the index carry the save's id, so a reader can tell a mix. A failure on
 any rank fails the save on every rank (DCP raises on all of them) before anything was published;
 what was staged is then dropped by :func:`hp_dcp_hf.save_hf_checkpoint`, or by the next save into
 the path (a killed save's too). Where the bytes go is a
-:class:`~hp_dcp_hf.storage.destination.Destination`: a local or shared directory, or S3 multipart
+:class:`~hp_dcp_hf.storage.write.destination.Destination`: a local or shared directory, or S3 multipart
 uploads.
 
 A quantized save (the planner's ``quantize="fp8"``) is quantized here, inside the same pass: before
@@ -38,12 +38,12 @@ from torch.futures import Future
 
 from hp_dcp_hf.box import Box
 from hp_dcp_hf.errors import PlanningError, StorageWriteError
-from hp_dcp_hf.storage.destination import BoxWrite, Destination, Directory, Staged
-from hp_dcp_hf.storage.files import SavedFile, SavedTensor, layout_files
-from hp_dcp_hf.storage.journal import SAVE_ID_KEY, SAVE_ID_LENGTH
-from hp_dcp_hf.storage.multipart import DEFAULT_PART_BYTES, LEASE_SECONDS, MultipartUploads
+from hp_dcp_hf.storage.format.files import SavedFile, SavedTensor, layout_files
+from hp_dcp_hf.storage.format.journal import SAVE_ID_KEY, SAVE_ID_LENGTH
+from hp_dcp_hf.storage.write.destination import BoxWrite, Destination, Directory, Staged
+from hp_dcp_hf.storage.write.multipart import DEFAULT_PART_BYTES, LEASE_SECONDS, MultipartUploads
 
-if TYPE_CHECKING:  # hp_dcp_hf.quantize reads hp_dcp_hf.mapping, which imports this package
+if TYPE_CHECKING:  # hp_dcp_hf.quantize sits above the storage layers (it imports their destinations)
     from hp_dcp_hf.quantize import Fp8Layout
 
 

@@ -1,9 +1,9 @@
 """One cooperative ``read_data``: this rank reads the spans it owns and exchanges raw bytes.
 
 The ranks gather each other's needs (the chunks of their plans, as integers: no pickling), build
-the same :class:`~hp_dcp_hf.storage.spans.ClusterPlan`, then each reads its own spans (large
+the same :class:`~hp_dcp_hf.storage.read.spans.ClusterPlan`, then each reads its own spans (large
 ranged reads, in file order, at most ``window`` bytes held at once) while a thread runs the
-exchange (:mod:`hp_dcp_hf.storage.exchange`): every rank receives exactly the checkpoint bytes it
+exchange (:mod:`hp_dcp_hf.storage.read.exchange`): every rank receives exactly the checkpoint bytes it
 needs from the spans of others, as stored, into its chunks' buffers (its destinations themselves
 where they take the file's bytes as they are). Casts, conversions and dequantization happen on
 the receiving rank as in a direct read, when a chunk's bytes are all in.
@@ -25,13 +25,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from hp_dcp_hf.storage.broadcast import collective_device
-from hp_dcp_hf.storage.catalog import CheckpointTensor
-from hp_dcp_hf.storage.copy import copy_into
-from hp_dcp_hf.storage.exchange import ExchangeStats, ReadProgress, Region, Stream, exchange
-from hp_dcp_hf.storage.header import TensorEntry
-from hp_dcp_hf.storage.location import CheckpointLocation
-from hp_dcp_hf.storage.spans import (
+from hp_dcp_hf.parallel.collectives import collective_device
+from hp_dcp_hf.storage.format.catalog import CheckpointTensor
+from hp_dcp_hf.storage.format.header import TensorEntry
+from hp_dcp_hf.storage.read.copy import copy_into
+from hp_dcp_hf.storage.read.exchange import ExchangeStats, ReadProgress, Region, Stream, exchange
+from hp_dcp_hf.storage.read.spans import (
     ClusterPlan,
     Need,
     Needs,
@@ -42,7 +41,8 @@ from hp_dcp_hf.storage.spans import (
     encode_needs,
     runs,
 )
-from hp_dcp_hf.storage.stats import ReadStats
+from hp_dcp_hf.storage.transport.location import CheckpointLocation
+from hp_dcp_hf.storage.transport.stats import ReadStats
 
 
 @dataclass(frozen=True)

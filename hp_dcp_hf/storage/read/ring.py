@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hp_dcp_hf.storage.copy import copy_into
+from hp_dcp_hf.storage.read.copy import copy_into
 
 
 @dataclass(frozen=True)

@@ -1,14 +1,14 @@
 """Where a save's bytes go: one small interface, a backend per kind of storage.
 
-:class:`~hp_dcp_hf.storage.writer.HFStorageWriter` lays the files out and drives a save through a
+:class:`~hp_dcp_hf.storage.write.writer.HFStorageWriter` lays the files out and drives a save through a
 :class:`Destination`: the coordinator *stages* the files (it takes the path's lock, finishes or
 drops what dead saves left, and makes the files where no reader looks), every rank *writes* its
 boxes, and once every rank succeeded the coordinator *publishes* through a journal
-(:mod:`hp_dcp_hf.storage.journal`: one atomic switch, rolled forward by whoever finds the journal)
+(:mod:`hp_dcp_hf.storage.format.journal`: one atomic switch, rolled forward by whoever finds the journal)
 or *aborts*. The steps are the base class's; a backend supplies a handful of primitives (lock,
 list, read, write a small file, remove, commit a staged file). Local and shared file systems are
 a :class:`Directory` (a staging directory, ``pwrite`` at final offsets, renames, ``flock``);
-object stores are multipart uploads under a lease (:mod:`hp_dcp_hf.storage.multipart`). The
+object stores are multipart uploads under a lease (:mod:`hp_dcp_hf.storage.write.multipart`). The
 writer never branches on the backend.
 
 :func:`box_runs` is what both write: a box of a tensor as ``(file offset, bytes)`` runs in the
@@ -33,9 +33,9 @@ import torch
 
 from hp_dcp_hf.box import Box, flat_range_boxes
 from hp_dcp_hf.errors import CheckpointFormatError, HPDCPHFError, StorageWriteError
-from hp_dcp_hf.storage.files import SavedFile, SavedTensor
-from hp_dcp_hf.storage.header import MAX_HEADER_BYTES, METADATA_KEY
-from hp_dcp_hf.storage.journal import (
+from hp_dcp_hf.storage.format.files import SavedFile, SavedTensor
+from hp_dcp_hf.storage.format.header import MAX_HEADER_BYTES, METADATA_KEY
+from hp_dcp_hf.storage.format.journal import (
     INDEX_FILE,
     JOURNAL_FILE,
     LOCK_FILE,
@@ -46,7 +46,7 @@ from hp_dcp_hf.storage.journal import (
     final_names,
     plan_publish,
 )
-from hp_dcp_hf.storage.ranges import box_byte_ranges, box_span, split_box
+from hp_dcp_hf.storage.format.ranges import box_byte_ranges, box_span, split_box
 
 
 @dataclass(frozen=True)
@@ -148,7 +148,7 @@ class Destination(ABC):
     def publish(self, staged: Staged, files: Sequence[SavedFile], extra_files: Mapping[str, str],
                 index: Mapping[str, Any] | None) -> None:
         """Every rank's bytes are durable: journal the switch, then carry it out (see
-        :mod:`hp_dcp_hf.storage.journal`) and release the lock."""
+        :mod:`hp_dcp_hf.storage.format.journal`) and release the lock."""
         self.check_staged(staged, files)
         existing = self.list_names()
         if index is not None:  # naming the files as published

@@ -5,7 +5,7 @@ answer into one ``bytes`` that is copied again, and its pool holds 10 connection
 8 MiB GETs, 8 in flight: 330-420 MiB/s through s3fs against 570-760 MiB/s for boto3 threads). Here
 each ranged ``GetObject`` is sent from the reader's own worker thread through one thread-safe
 botocore client, and its body is read in 1 MiB chunks straight into the destination buffers
-(:func:`~hp_dcp_hf.storage.backend.read_ranged`, the loop HTTP uses too). Every answer's
+(:func:`~hp_dcp_hf.storage.transport.backend.read_ranged`, the loop HTTP uses too). Every answer's
 ``ContentRange`` total and ``ETag`` are checked against the version the header was read at.
 
 Settings come from where s3fs takes them, so the same storage options work: ``key``, ``secret``,
@@ -18,7 +18,7 @@ credentials, instance metadata). Defaults of our own, each overridden by ``confi
 * ``max_pool_connections``: at least the reader's concurrency (``num_threads``; botocore's default
   is 10), so no request waits for a connection or opens one that is thrown away after it;
 * ``connect_timeout`` / ``read_timeout``: the retry policy's (10 s / 60 s; s3fs uses 5 s / 15 s);
-* ``retries``: one attempt. Retries are the :class:`~hp_dcp_hf.storage.backend.RetryPolicy`'s,
+* ``retries``: one attempt. Retries are the :class:`~hp_dcp_hf.storage.transport.backend.RetryPolicy`'s,
   which resume a cut body after the bytes that arrived; botocore's would repeat whole requests
   and stack their backoff on ours.
 
@@ -40,7 +40,7 @@ from typing import Any
 from fsspec import AbstractFileSystem
 
 from hp_dcp_hf.errors import CheckpointNotFoundError, HPDCPHFError, StorageReadError
-from hp_dcp_hf.storage.backend import (
+from hp_dcp_hf.storage.transport.backend import (
     Body,
     FileVersion,
     RangeFile,
@@ -51,7 +51,7 @@ from hp_dcp_hf.storage.backend import (
     etag,
     read_ranged,
 )
-from hp_dcp_hf.storage.fsspec_backend import FsspecBackend
+from hp_dcp_hf.storage.transport.fsspec_backend import FsspecBackend
 
 _DEFAULT_POOL = 10
 """botocore's own ``max_pool_connections``."""

@@ -12,7 +12,7 @@ backends read byte ranges, coalesced into requests: when the destination is a co
 tensor of the checkpoint dtype, the bytes land in it directly; otherwise they go through a slot of a
 bounded staging ring and ``copy_`` (which casts and writes through non-contiguous views). CUDA
 destinations are always staged, in pinned slots, and copied to the device asynchronously while the
-next reads run (:mod:`hp_dcp_hf.storage.ring`).
+next reads run (:mod:`hp_dcp_hf.storage.read.ring`).
 """
 
 from __future__ import annotations
@@ -47,15 +47,11 @@ from torch.futures import Future
 
 from hp_dcp_hf.box import Box
 from hp_dcp_hf.errors import HPDCPHFError, PlanningError, StorageReadError
+from hp_dcp_hf.parallel.collectives import agree_on_failure, share_from_rank0, should_broadcast
 from hp_dcp_hf.perf import paused_gc
-from hp_dcp_hf.storage.broadcast import agree_on_failure, share_from_rank0, should_broadcast
-from hp_dcp_hf.storage.catalog import QUANTIZATION_CONFIG, Catalog, CheckpointTensor, find_files, scan
-from hp_dcp_hf.storage.copy import copy_into
-from hp_dcp_hf.storage.exchange import ExchangeStats, typed
-from hp_dcp_hf.storage.fsspec_backend import DIRECT_IO_ALIGN
-from hp_dcp_hf.storage.header import TensorEntry
-from hp_dcp_hf.storage.location import CheckpointLocation, RangeFile, filesystem, locate
-from hp_dcp_hf.storage.ranges import (
+from hp_dcp_hf.storage.format.catalog import QUANTIZATION_CONFIG, Catalog, CheckpointTensor, find_files, scan
+from hp_dcp_hf.storage.format.header import TensorEntry
+from hp_dcp_hf.storage.format.ranges import (
     Piece,
     Request,
     box_byte_ranges,
@@ -64,11 +60,15 @@ from hp_dcp_hf.storage.ranges import (
     count_requests,
     split_box,
 )
-from hp_dcp_hf.storage.remote import RetryPolicy
-from hp_dcp_hf.storage.ring import Copy, SlotCopier, StagingRing, StagingStats
-from hp_dcp_hf.storage.span_reads import SpanLoad, StoredTable, node_id, read_spans
-from hp_dcp_hf.storage.spans import SPAN_BYTES, SPAN_GAP, ClusterPlan, Traffic, traffic
-from hp_dcp_hf.storage.stats import ReadStats
+from hp_dcp_hf.storage.read.copy import copy_into
+from hp_dcp_hf.storage.read.exchange import ExchangeStats, typed
+from hp_dcp_hf.storage.read.ring import Copy, SlotCopier, StagingRing, StagingStats
+from hp_dcp_hf.storage.read.span_reads import SpanLoad, StoredTable, node_id, read_spans
+from hp_dcp_hf.storage.read.spans import SPAN_BYTES, SPAN_GAP, ClusterPlan, Traffic, traffic
+from hp_dcp_hf.storage.transport.fsspec_backend import DIRECT_IO_ALIGN
+from hp_dcp_hf.storage.transport.location import CheckpointLocation, RangeFile, filesystem, locate
+from hp_dcp_hf.storage.transport.remote import RetryPolicy
+from hp_dcp_hf.storage.transport.stats import ReadStats
 
 _ALIGN = 16
 """Staged chunks start at multiples of this, so a byte slice can be viewed as any dtype."""
@@ -177,10 +177,10 @@ class HFStorageReader(StorageReader):
     time. With CUDA destinations the staging ring holds one batch more (a batch's reads overlap the
     previous one's copy to the device), in pinned memory. ``broadcast_metadata``: in a process group, rank 0 alone reads the headers and broadcasts
     them (every rank must then call ``read_metadata``, which ``dcp.load`` does). ``retry``: the
-    :class:`~hp_dcp_hf.storage.remote.RetryPolicy` of remote reads, or a dict of its fields.
+    :class:`~hp_dcp_hf.storage.transport.remote.RetryPolicy` of remote reads, or a dict of its fields.
     ``record_requests``: keep every request issued in ``requests_log`` as ``(file, start, end)``
     (for pictures of a plan; off by default). ``cooperate``: span ownership
-    (:mod:`hp_dcp_hf.storage.spans`): the ranks read every checkpoint byte any of them needs once
+    (:mod:`hp_dcp_hf.storage.read.spans`): the ranks read every checkpoint byte any of them needs once
     between them, in spans of at least ``span_bytes`` each owned by one rank (balanced by bytes,
     preferring a rank on a ``node`` that needs it; ``node`` defaults to the host name), and send
     each other the raw bytes each needs: ``"always"``, ``"never"``, or ``"auto"`` (the default):
@@ -200,15 +200,15 @@ class HFStorageReader(StorageReader):
 
     Remote paths: ``s3://bucket/prefix`` (and other fsspec URLs), ``http(s)://`` directories that
     serve ``model.safetensors.index.json`` (or one ``.safetensors`` file), ``hf://org/repo[@rev]
-    [/subdir]`` and bare ``org/repo[@rev]`` Hub ids; see :mod:`hp_dcp_hf.storage.remote` for their
+    [/subdir]`` and bare ``org/repo[@rev]`` Hub ids; see :mod:`hp_dcp_hf.storage.transport.remote` for their
     options. A Hub revision is resolved to its commit on the rank that reads the headers and
     travels with them, so every rank reads that commit (``resolved_root`` names it after
     ``read_metadata``).
 
     After a load, ``entries`` maps every checkpoint key to its
-    :class:`~hp_dcp_hf.storage.catalog.CheckpointTensor` (its parts: where its bytes are), ``stats``
+    :class:`~hp_dcp_hf.storage.format.catalog.CheckpointTensor` (its parts: where its bytes are), ``stats``
     counts what was read (reset by :meth:`reset`) and ``staging`` what went through the staging
-    ring (:class:`~hp_dcp_hf.storage.ring.StagingStats`, of the last ``read_data``).
+    ring (:class:`~hp_dcp_hf.storage.read.ring.StagingStats`, of the last ``read_data``).
     """
 
     def __init__(
@@ -436,7 +436,7 @@ class HFStorageReader(StorageReader):
             self.seconds["read"] = time.perf_counter() - start - apart
 
     def _read_cooperatively(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        """Span ownership (:mod:`hp_dcp_hf.storage.span_reads`): this rank reads the spans it owns
+        """Span ownership (:mod:`hp_dcp_hf.storage.read.span_reads`): this rank reads the spans it owns
         and the ranks exchange the raw bytes each needs. Every rank raises the same error when one
         fails, marked ``agreed`` (no rank needs to agree on it again)."""
         assert self._location is not None

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hp_dcp_hf.storage.dtypes import SAFETENSORS_DTYPES
+from hp_dcp_hf.storage.format.dtypes import SAFETENSORS_DTYPES
 
 SINGLE_FILE = "model.safetensors"
 FILE_PATTERN = "model{suffix}.safetensors"

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hp_dcp_hf.box import Box
-from hp_dcp_hf.storage.ranges import box_byte_runs
+from hp_dcp_hf.storage.format.ranges import box_byte_runs
 
 SPAN_BYTES = 8 * 2**20
 """Smallest span where the needed bytes run that long: a request moves several MiB per round trip."""

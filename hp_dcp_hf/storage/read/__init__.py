@@ -1,0 +1,1 @@
+"""The read path: the DCP ``StorageReader``, its copies and staging ring, span ownership and the exchange between ranks."""
