@@ -382,9 +382,8 @@ def rank_spans(rank: int, mine: Any, encoded: Sequence[Any], tensors: Any, files
     plan.route(mine)
     t3 = time.perf_counter()
     owned, sent = plan.owned(rank), 0
-    for peer, theirs in enumerate(needs):
-        if peer != rank and len(owned):
-            sent += plan.route(theirs, within=owned).nbytes
+    for peer in set(plan.needing(owned).tolist()) - {rank}:
+        sent += plan.route(needs[peer], within=owned).nbytes
     t4 = time.perf_counter()
     seconds = {"decode_s": t1 - t0, "build_s": t2 - t1, "route_own_s": t3 - t2, "route_others_s": t4 - t3}
     return plan, seconds, sent

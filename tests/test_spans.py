@@ -4,6 +4,7 @@ their owners, and the streams sender and receiver derive apart, checked against 
 from __future__ import annotations
 
 import math
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hp_dcp_hf.box import Box
+from hp_dcp_hf.storage.read import spans as spans_module
 from hp_dcp_hf.storage.read.exchange import ReadProgress, Region, Stream
 from hp_dcp_hf.storage.read.spans import (
     ClusterPlan,
@@ -70,11 +72,14 @@ def _cluster(draw):
 
 
 @settings(max_examples=200, deadline=None)
-@given(_cluster())
-def test_spans_cover_exactly_the_bytes_some_rank_needs_and_streams_agree(cluster):
+@given(_cluster(), st.sampled_from([2, 16, 2**20]))
+def test_spans_cover_exactly_the_bytes_some_rank_needs_and_streams_agree(cluster, own_run):
+    """``own_run``: the shortest stretch one rank alone needs that gets spans of its own (spans
+    on byte, not page, bounds, so that tiny tensors get such cuts too)."""
     tensors, needs_by_rank, span_bytes = cluster
     world = len(needs_by_rank)
-    plan = ClusterPlan.build(tensors, needs_by_rank, FILES, span_bytes=span_bytes)
+    with mock.patch.object(spans_module, "OWN_RUN_BYTES", own_run), mock.patch.object(spans_module, "_PAGE", 1):
+        plan = ClusterPlan.build(tensors, needs_by_rank, FILES, span_bytes=span_bytes)
     needed = _bitmaps(tensors, needs_by_rank)
     covered = [np.zeros_like(m) for m in needed]
     for f, s, e in zip(plan.file.tolist(), plan.start.tolist(), plan.end.tolist()):
@@ -163,6 +168,27 @@ def test_owners_are_balanced_and_prefer_ranks_then_nodes_that_need_the_span():
         node = nodes[int(plan.owner[span])]
         assert (plan.end[span] <= 32 * mib and node == 0) or (plan.start[span] >= 32 * mib and node == 1)
     assert all(plan.bytes_read(r) > 0 for r in range(4))
+
+
+def test_a_stretch_one_rank_alone_needs_is_read_by_that_rank_and_never_sent():
+    """Uneven row blocks of a 64 MiB weight (FSDP on 3 ranks: 22, 21, 21 rows) and a norm every
+    rank needs: each rank reads its own block, whatever the span size; only the norm travels, and
+    the page where two blocks meet (spans start on pages). Column halves of the weight (a
+    row-parallel TP split) interleave: those bytes are shared, and an owner sends the other half."""
+    mib = 2**20
+    tensors = [StoredTensor(0, 80, (64, mib), 1), StoredTensor(0, 80 + 64 * mib, (4096,), 2)]
+    norm = Need(1, Box((0,), (4096,)))
+    rows = [(0, 22), (22, 21), (43, 21)]
+    blocks = [[Need(0, Box((lo, 0), (count, mib))), norm] for lo, count in rows]
+    plan = ClusterPlan.build(tensors, blocks, FILES[:1], span_bytes=8 * mib)
+    shares = traffic(plan, blocks, request_bytes=8 * mib)
+    for (_, count), share in zip(rows, shares):
+        assert count * mib - 4096 <= share.storage_bytes <= count * mib + 8192 + 4096
+    assert sum(t.received for t in shares) <= 2 * 8192 + 2 * 4096  # the norm to two ranks, 2 seams
+    halves = [[Need(0, Box((32 * (r // 2), (r % 2) * mib // 2), (32, mib // 2)))] for r in range(4)]
+    plan = ClusterPlan.build(tensors, halves, FILES[:1], span_bytes=8 * mib)
+    shares = traffic(plan, halves, request_bytes=8 * mib)
+    assert plan.bytes_read() == 64 * mib and sum(t.received for t in shares) >= 16 * mib
 
 
 def test_spans_are_large_page_aligned_and_bridge_only_small_holes():

@@ -218,8 +218,8 @@ def read_spans(
     load.own_bytes = own.nbytes
     target = _Needs(chunks, finished)
     from_peers = [incoming.select(incoming.owner == peer) if peer != rank else None for peer in range(world)]
-    to_peers = [plan.route(needs[peer], within=owned) if peer != rank and len(owned) else None
-                for peer in range(world)]
+    needing = set(plan.needing(owned).tolist()) - {rank}  # the peers worth routing
+    to_peers = [plan.route(needs[peer], within=owned) if peer in needing else None for peer in range(world)]
     # Every rank sends each peer at most `chunk` bytes a round: the budget over twice the most peers
     # any rank sends to or receives from, so no rank moves more than the budget a round.
     degree = max(sum(1 for r in to_peers if r is not None and r.nbytes),

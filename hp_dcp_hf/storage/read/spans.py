@@ -6,10 +6,13 @@ every rank's needs, which the ranks gather as integers, each rank computes the s
 1. the union of the byte ranges any rank needs, per file (a tensor whose needed boxes tile it is
    one range, without listing rows);
 2. cut into contiguous *spans*: runs of needed bytes, holes nobody needs bridged only up to a
-   small gap, each run cut into near-equal spans of at least ``span_bytes`` (page aligned);
-3. each span owned by one rank: in file order, the rank that needs most of it while its load
-   stays within a fair share (bytes / ranks, plus a span), else the least loaded rank on a node
-   that needs it, else the least loaded rank.
+   small gap, cut where a stretch of at least ``OWN_RUN_BYTES`` that one rank alone needs begins
+   or ends (that rank can read it without sending a byte), each piece cut into near-equal spans
+   of at least ``span_bytes`` (page aligned);
+3. each span owned by one rank: spans one rank alone needs first, then the others, in file
+   order, the rank that needs most of it while its load stays within a fair share (bytes /
+   ranks, plus a span), else the least loaded rank on a node that needs it, else the least
+   loaded rank.
 
 Owners read their spans; every rank then receives, from each owner, the bytes of its own needs
 inside that owner's spans, as a stream in file order (:meth:`ClusterPlan.route`): sender and
@@ -22,6 +25,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 
@@ -33,6 +37,10 @@ SPAN_BYTES = 8 * 2**20
 
 MAX_SPAN_BYTES = 64 * 2**20
 """Largest span: an owner holds a span's bytes until every rank needing them has received them."""
+
+OWN_RUN_BYTES = 2**20
+"""Shortest stretch that one rank alone needs made spans of its own: its owner is then that rank,
+and the exchange moves none of it (shorter ones ride in the spans around them)."""
 
 SPAN_GAP = 64 * 2**10
 """Holes nobody needs that a span bridges on remote stores (a request costs more than this)."""
@@ -201,13 +209,23 @@ def needed_union(
     blocks), or else they tile it as a grid (:func:`_tiles`). Others (a pipeline stage's part,
     overlapping layouts) are listed range by range."""
     table = _table(tensors)
-    parts = [Needs.of(n, table).rows for n in needs_by_rank]
-    rows = np.concatenate(parts) if parts else np.zeros((0, 1 + 2 * table.ndim), dtype=np.int64)
+    needs = _concatenated([Needs.of(n, table) for n in needs_by_rank], table)
+    return _union(table, needs, *needs.extents(table), files)
+
+
+def _concatenated(needs_by_rank: Sequence[Needs], table: Tensors) -> Needs:
+    parts = [n.rows for n in needs_by_rank]
+    return Needs.from_rows(np.concatenate(parts) if parts else np.zeros((0, 1 + 2 * table.ndim), dtype=np.int64),
+                           table)
+
+
+def _union(table: Tensors, needs: Needs, first: np.ndarray, last: np.ndarray, files: int
+           ) -> list[tuple[np.ndarray, np.ndarray]]:
+    """:func:`needed_union` of every rank's ``needs`` together, their extents ``first``, ``last``."""
     empty = np.zeros(0, dtype=np.int64)
-    if not len(rows):
+    if not len(needs):
         return [(empty, empty) for _ in range(files)]
-    needs = Needs.from_rows(rows, table)
-    first, last = needs.extents(table)
+    rows = needs.rows
     # In byte order (tensors never share a first byte), identical boxes side by side, then dropped.
     mix = np.power(1_000_003, np.arange(table.ndim), dtype=np.int64)  # sizes folded into one key (may wrap)
     order = np.lexsort(((needs.sizes * mix).sum(1), first))
@@ -280,6 +298,9 @@ class ClusterPlan:
     needed: np.ndarray  # bytes of each span some rank needs (the rest are holes bridged)
     world: int
     table: Tensors = field(repr=False, compare=False)
+    needers: tuple[np.ndarray, np.ndarray] = field(repr=False, compare=False)
+    """Per span, the ranks whose needs' extents reach into it (CSR: ``indptr``, ranks): a superset
+    of the ranks an owner sends to."""
 
     @classmethod
     def build(
@@ -297,31 +318,30 @@ class ClusterPlan:
         table = _table(tensors)
         needs_by_rank = [Needs.of(n, table) for n in needs_by_rank]
         world = len(needs_by_rank)
-        union = needed_union(table, needs_by_rank, len(files))
+        every = _concatenated(needs_by_rank, table)
+        first, last = every.extents(table)
+        union = _union(table, every, first, last, len(files))
+        bounds = np.cumsum([0, *map(len, needs_by_rank)])
+        extents = [(first[lo:hi], last[lo:hi]) if hi > lo else None for lo, hi in zip(bounds[:-1], bounds[1:])]
         total = sum(int((e - s).sum()) for s, e in union)
         target = max(span_bytes, min(MAX_SPAN_BYTES, -(-total // (4 * world))))
-        span_file, span_start, span_end, span_needed = [], [], [], []
-        for index, (starts, ends) in enumerate(union):
-            run_starts, run_ends = _merge(starts, ends, gap)
-            cuts = []
-            for lo, hi in zip(run_starts.tolist(), run_ends.tolist()):
-                count = max(1, round((hi - lo) / target))
-                cuts.append(sorted({lo, hi, *(_page_floor(lo + (hi - lo) * i // count, lo) for i in range(1, count))}))
-            lows = np.asarray([c for run in cuts for c in run[:-1]], dtype=np.int64)
-            highs = np.asarray([c for run in cuts for c in run[1:]], dtype=np.int64)
-            span_file.append(np.full(len(lows), index, dtype=np.int64))
-            span_start.append(lows)
-            span_end.append(highs)
-            span_needed.append(_covered(starts, ends, highs) - _covered(starts, ends, lows))
-        file, start, end, needed = (np.concatenate(a) if a else np.zeros(0, dtype=np.int64)
-                                    for a in (span_file, span_start, span_end, span_needed))
-        plan = cls(tuple(files), file, start, end, np.zeros(len(start), dtype=np.int64), needed, world, table)
-        plan.owner[:] = _assign(end - start, *plan._needers(needs_by_rank),
-                                np.asarray(nodes if nodes is not None else range(world), dtype=np.int64), target)
-        return plan
+        lows, highs = _cut(*_keyed([_merge(starts, ends, gap) for starts, ends in union]),
+                           _sole_stretches(extents), target)
+        needed_lo, needed_hi = _keyed(union)
+        needed = _covered(needed_lo, needed_hi, highs) - _covered(needed_lo, needed_hi, lows)
+        indptr, needers, nbytes = _needers(lows, highs, extents)
+        owner = _assign(highs - lows, indptr, needers, nbytes,
+                        np.asarray(nodes if nodes is not None else range(world), dtype=np.int64), target)
+        return cls(tuple(files), lows >> _FILE_SHIFT, lows & _BYTE_MASK, highs & _BYTE_MASK, owner, needed, world,
+                   table, (indptr, needers))
 
     def __len__(self) -> int:
         return len(self.start)
+
+    def needing(self, spans: np.ndarray) -> np.ndarray:
+        """The ranks that may need bytes of ``spans`` (sorted): the only ones their owner routes."""
+        indptr, ranks = self.needers
+        return np.unique(ranks[_ranges(indptr[spans], indptr[spans + 1] - indptr[spans])])
 
     def owned(self, rank: int) -> np.ndarray:
         """Indices of the spans ``rank`` reads, in file order."""
@@ -344,7 +364,7 @@ class ClusterPlan:
         if within is not None:
             selected = np.zeros(len(self), dtype=bool)
             selected[within] = True
-            lo, hi = self._span_range(*needs.extents(table))
+            lo, hi = _touching(self._keys, *needs.extents(table))
             reached = np.concatenate(([0], np.cumsum(selected)))
             chosen = np.flatnonzero(reached[hi + 1] - reached[lo] > 0)
         file, start, end, need, offset = [], [], [], [], []
@@ -362,40 +382,9 @@ class ClusterPlan:
         routed = self._split(file_, start_, end_, need_, offset_)
         return routed if selected is None else routed.select(selected[routed.span])
 
-    @property
+    @cached_property
     def _keys(self) -> np.ndarray:
         return _key(self.file, self.start)
-
-    def _span_range(self, first: np.ndarray, last: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """For byte extents (keys), the first and last span they may touch (clipped to the plan)."""
-        keys = self._keys
-        lo = np.clip(np.searchsorted(keys, first, side="right") - 1, 0, max(len(keys) - 1, 0))
-        hi = np.clip(np.searchsorted(keys, last - 1, side="right") - 1, lo, max(len(keys) - 1, 0))
-        return lo, hi
-
-    def _needers(self, needs_by_rank: Sequence[Needs]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Per span, the ranks needing bytes in it and about how many (their needs' extents inside
-        the span: a preference for owners, not an exact count), as ``(indptr, ranks, nbytes)``:
-        span ``s``'s are ``ranks[indptr[s]:indptr[s+1]]``."""
-        keys, ends = self._keys, _key(self.file, self.end)
-        pair_keys, pair_bytes = [], []
-        for rank, needs in enumerate(needs_by_rank):
-            if not len(needs) or not len(self):
-                continue
-            first, last = needs.extents(self.table)
-            lo, hi = self._span_range(first, last)
-            counts = hi - lo + 1
-            at = np.repeat(np.arange(len(lo)), counts)
-            span = lo[at] + np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
-            inside = np.minimum(last[at], ends[span]) - np.maximum(first[at], keys[span])
-            pair_keys.append(span * self.world + rank)
-            pair_bytes.append(np.maximum(inside, 0))
-        if not pair_keys:
-            return np.zeros(len(self) + 1, dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-        merged, where = np.unique(np.concatenate(pair_keys), return_inverse=True)
-        nbytes = np.bincount(where, weights=np.concatenate(pair_bytes)).astype(np.int64)
-        spans, ranks = merged // self.world, merged % self.world
-        return np.searchsorted(spans, np.arange(len(self) + 1)), ranks, nbytes
 
     def _split(self, file, start, end, need, offset) -> Routed:
         """Each range cut where it crosses a span boundary, with its span and owner."""
@@ -404,31 +393,125 @@ class ClusterPlan:
         last = np.searchsorted(keys, _key(file, end - 1), side="right") - 1
         if len(first) and (np.any(first < 0) or np.any(self.file[first] != file) or np.any(self.end[last] < end)):
             raise ValueError("a needed byte range lies outside every span: the plan was built from other needs")
-        simple = first == last
-        if bool(simple.all()):
+        counts = last - first + 1
+        if bool((counts == 1).all()):
             return Routed(self.owner[first], first, file, start, end, need, offset)
-        rows = []
-        for i in range(len(file)):
-            if simple[i]:
-                rows.append((first[i], file[i], start[i], end[i], need[i], offset[i]))
-                continue
-            position = start[i]
-            for span in range(first[i], last[i] + 1):
-                stop = min(end[i], self.end[span])
-                rows.append((span, file[i], position, stop, need[i], offset[i] + position - start[i]))
-                position = stop
-        span_, file_, start_, end_, need_, offset_ = (np.asarray(c, dtype=np.int64) for c in zip(*rows))
-        return Routed(self.owner[span_], span_, file_, start_, end_, need_, offset_)
+        span, at = _ranges(first, counts), np.repeat(np.arange(len(first)), counts)
+        lo, hi = np.maximum(start[at], self.start[span]), np.minimum(end[at], self.end[span])
+        return Routed(self.owner[span], span, file[at], lo, hi, need[at], offset[at] + lo - start[at])
+
+
+_FILE_SHIFT = 43
+_BYTE_MASK = (1 << _FILE_SHIFT) - 1
 
 
 def _key(file, position):
-    """One sortable integer per (file, byte): files are far below 2**20, bytes below 2**43."""
-    return np.asarray(file, dtype=np.int64) * (1 << 43) + np.asarray(position, dtype=np.int64)
+    """One sortable integer per (file, byte): files are far below 2**20, bytes below 2**43 (a page
+    of a key is a page of its byte)."""
+    return np.asarray(file, dtype=np.int64) * (1 << _FILE_SHIFT) + np.asarray(position, dtype=np.int64)
 
 
-def _page_floor(position: int, lo: int) -> int:
-    """``position`` rounded down to a page, not below ``lo``: spans start where ``O_DIRECT`` can."""
-    return max(lo, position - position % _PAGE)
+def _page_floor(positions: np.ndarray) -> np.ndarray:
+    """``positions`` rounded down to a page: spans start where ``O_DIRECT`` can."""
+    return positions - positions % _PAGE
+
+
+def _touching(keys: np.ndarray, first: np.ndarray, last: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For byte extents (keys), the first and last span (of those starting at ``keys``) they may
+    touch, clipped to the plan."""
+    lo = np.clip(np.searchsorted(keys, first, side="right") - 1, 0, max(len(keys) - 1, 0))
+    hi = np.clip(np.searchsorted(keys, last - 1, side="right") - 1, lo, max(len(keys) - 1, 0))
+    return lo, hi
+
+
+def _needers(lows: np.ndarray, highs: np.ndarray, extents: Sequence[tuple[np.ndarray, np.ndarray] | None]
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per span (``[lows, highs)``, keys), the ranks needing bytes in it and about how many (their
+    needs' ``extents`` inside the span: a preference for owners, not an exact count), as
+    ``(indptr, ranks, nbytes)``: span ``s``'s are ``ranks[indptr[s]:indptr[s+1]]``."""
+    world = len(extents)
+    pair_keys, pair_bytes = [], []
+    for rank, extent in enumerate(extents):
+        if extent is None or not len(lows):
+            continue
+        first, last = extent
+        lo, hi = _touching(lows, first, last)
+        counts = hi - lo + 1
+        at = np.repeat(np.arange(len(lo)), counts)
+        span = _ranges(lo, counts)
+        inside = np.minimum(last[at], highs[span]) - np.maximum(first[at], lows[span])
+        pair_keys.append(span * world + rank)
+        pair_bytes.append(np.maximum(inside, 0))
+    if not pair_keys:
+        return np.zeros(len(lows) + 1, dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    merged, where = np.unique(np.concatenate(pair_keys), return_inverse=True)
+    nbytes = np.bincount(where, weights=np.concatenate(pair_bytes)).astype(np.int64)
+    spans, ranks = merged // world, merged % world
+    return np.searchsorted(spans, np.arange(len(lows) + 1)), ranks, nbytes
+
+
+def _ranges(first: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """``first[i], first[i] + 1, ...`` (``counts[i]`` of them) for every ``i``, concatenated."""
+    return np.repeat(first - np.cumsum(counts) + counts, counts) + np.arange(int(counts.sum()))
+
+
+def _keyed(ranges_by_file: Sequence[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    """Per-file sorted ``(starts, ends)`` as one sorted pair of key arrays."""
+    empty = np.zeros(0, dtype=np.int64)
+    return (np.concatenate([empty, *(_key(f, starts) for f, (starts, _) in enumerate(ranges_by_file))]),
+            np.concatenate([empty, *(_key(f, ends) for f, (_, ends) in enumerate(ranges_by_file))]))
+
+
+def _sole_stretches(extents: Sequence[tuple[np.ndarray, np.ndarray] | None]) -> np.ndarray:
+    """The bounds (keys, sorted) of the stretches of at least :data:`OWN_RUN_BYTES` that one rank's
+    need extents alone cover (holes nobody's extents cover may lie inside): no other rank needs a
+    byte there."""
+    bounds, deltas = [], []
+    for rank, extent in enumerate(extents):
+        if extent is None:
+            continue
+        first, last = _merge(*extent, 0)  # a rank's own overlapping boxes count once
+        bounds += [first, last]
+        deltas += [np.full(len(first), 1 + rank * 2**20, dtype=np.int64),
+                   np.full(len(last), -1 - rank * 2**20, dtype=np.int64)]
+    if not bounds:
+        return np.zeros(0, dtype=np.int64)
+    keys, where = np.unique(np.concatenate(bounds), return_inverse=True)
+    # per segment between consecutive keys: how many ranks cover it and, where one does, which
+    cover = np.cumsum(np.bincount(where, weights=np.concatenate(deltas), minlength=len(keys)).astype(np.int64))[:-1]
+    depth, rank = cover % 2**20, cover // 2**20
+    covered = np.flatnonzero(depth > 0)
+    label = np.where(depth[covered] == 1, rank[covered], -1)
+    file = keys[covered] >> _FILE_SHIFT
+    new = np.concatenate(([True], (label[1:] != label[:-1]) | (file[1:] != file[:-1]) | (label[1:] < 0)))
+    groups = np.flatnonzero(new)
+    lo, hi = keys[covered[groups]], keys[covered[np.append(groups[1:], len(covered)) - 1] + 1]
+    keep = (label[groups] >= 0) & (hi - lo >= OWN_RUN_BYTES)
+    return np.unique(np.concatenate([lo[keep], hi[keep]]))
+
+
+def _cut(lo: np.ndarray, hi: np.ndarray, bounds: np.ndarray, target: int) -> tuple[np.ndarray, np.ndarray]:
+    """Runs ``[lo, hi)`` (sorted keys) cut into spans: at ``bounds`` (sorted) rounded down to
+    pages, except a cut that would leave the piece before it, or the rest of its run, shorter than
+    :data:`OWN_RUN_BYTES` (that short piece joins a neighbour); then each piece into near-equal
+    spans of about ``target`` bytes, page aligned. The spans' first and last keys."""
+    run = np.searchsorted(lo, bounds, side="right") - 1
+    inside = run >= 0
+    bounds, run = _page_floor(bounds[inside]), run[inside]
+    inside = (bounds > lo[run]) & (bounds < hi[run])
+    bounds, run = bounds[inside], run[inside]
+    same = np.concatenate(([False], run[1:] == run[:-1]))
+    before = np.where(same, np.concatenate(([0], bounds[:-1])), lo[run])
+    keep = (bounds - before >= OWN_RUN_BYTES) & (hi[run] - bounds >= OWN_RUN_BYTES)
+    cuts = np.unique(bounds[keep])
+    piece_lo, piece_hi = np.sort(np.concatenate([lo, cuts])), np.sort(np.concatenate([hi, cuts]))
+    count = np.maximum(1, np.rint((piece_hi - piece_lo) / target)).astype(np.int64)
+    extra = count - 1
+    piece = np.repeat(np.arange(len(piece_lo)), extra)
+    step = _ranges(np.ones(len(extra), dtype=np.int64), extra)
+    inner = _page_floor(piece_lo[piece] + (piece_hi - piece_lo)[piece] * step // count[piece])
+    inner = np.unique(inner[(inner > piece_lo[piece]) & (inner < piece_hi[piece])])
+    return np.sort(np.concatenate([piece_lo, inner])), np.sort(np.concatenate([piece_hi, inner]))
 
 
 def _covered(starts: np.ndarray, ends: np.ndarray, positions: np.ndarray) -> np.ndarray:
@@ -441,14 +524,27 @@ def _covered(starts: np.ndarray, ends: np.ndarray, positions: np.ndarray) -> np.
 
 def _assign(sizes: np.ndarray, indptr: np.ndarray, needers: np.ndarray, needed: np.ndarray, nodes: np.ndarray,
             target: int) -> np.ndarray:
-    """Owners, in span order, balanced by bytes: the rank needing most of the span while its load
-    stays within a fair share (bytes / ranks, plus a span), so that a rank reads much of what it
-    needs itself; else the least loaded rank on a node that needs it; else the least loaded rank."""
+    """Owners balanced by bytes: the rank needing most of the span while its load stays within a
+    fair share (bytes / ranks, plus a span), so that a rank reads much of what it needs itself;
+    else the least loaded rank on a node that needs it; else the least loaded rank. Spans one
+    rank alone needs are given first, to that rank within its share (those are never sent); the
+    others follow in span order."""
     world = len(nodes)
     fair = int(sizes.sum()) / max(world, 1) + target
-    load = np.zeros(world, dtype=np.int64)
-    owners = np.empty(len(sizes), dtype=np.int64)
-    for span, size in enumerate(sizes.tolist()):
+    owners = np.full(len(sizes), -1, dtype=np.int64)
+    # Spans one rank alone needs go to it, in span order, while its load stays within the share.
+    sole = np.flatnonzero(np.diff(indptr) == 1)
+    needer = needers[indptr[sole]]
+    order = np.argsort(needer, kind="stable")
+    sole, needer = sole[order], needer[order]
+    total = np.cumsum(sizes[sole])
+    first = np.concatenate(([True], needer[1:] != needer[:-1]))
+    before = np.maximum.accumulate(np.where(first, total - sizes[sole], 0))
+    within = total - before <= fair
+    owners[sole[within]] = needer[within]
+    load = np.bincount(needer[within], weights=sizes[sole[within]], minlength=world).astype(np.int64)
+    for span in np.flatnonzero(owners < 0).tolist():
+        size = int(sizes[span])
         candidates = needers[indptr[span] : indptr[span + 1]]
         owner = -1
         if len(candidates):
