@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 from pathlib import Path
 
@@ -112,3 +113,30 @@ def test_a_hub_nothing_answered_for_could_not_be_reached(
     )
     assert "answered" not in info.value.reason and "last error" in info.value.reason
     assert info.value.file == "hf://org/repo"
+
+
+def test_metadata_is_read_with_collection_paused(tmp_path: Path) -> None:
+    """The catalog's entries are built with the cyclic collector paused: in a process holding a
+    model, full collections cost several times the work (see ``HFStorageReader.read_metadata``)."""
+    tensors = {f"layers.{i}.w": torch.zeros(2) for i in range(2000)}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    reader = HFStorageReader(tmp_path)
+    collections: list[int] = []
+
+    def count(phase: str, info: dict) -> None:
+        if phase == "start":
+            collections.append(info["generation"])
+
+    threshold = gc.get_threshold()
+    gc.callbacks.append(count)
+    gc.set_threshold(200)
+    try:
+        [{} for _ in range(2000)]  # fewer objects than the read builds, outside it: collections
+        assert len(collections) >= 5
+        collections.clear()
+        metadata = reader.read_metadata()
+        # at most one, set off by entering the pause itself
+        assert len(collections) <= 1 and len(metadata.state_dict_metadata) == 2000 and gc.isenabled()
+    finally:
+        gc.callbacks.remove(count)
+        gc.set_threshold(*threshold)

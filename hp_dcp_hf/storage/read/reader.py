@@ -358,11 +358,15 @@ class HFStorageReader(StorageReader):
         when in a process group.
 
         An error is also kept in ``metadata_error``: torch's ``dcp.load`` turns exceptions of
-        ``read_metadata`` into an ``AssertionError`` carrying only their text.
+        ``read_metadata`` into an ``AssertionError`` carrying only their text. Collection waits
+        until the entries are built: a process holding a model runs full collections over it
+        otherwise (DeepSeek-V3's catalog, 45,395 tensors: 0.8-1.0 s to decode with them, 0.25-0.31
+        s without; as much again to encode on rank 0).
         """
         start = time.perf_counter()
         try:
-            return self._read_metadata()
+            with paused_gc():
+                return self._read_metadata()
         except Exception as error:
             self.metadata_error = error
             raise
