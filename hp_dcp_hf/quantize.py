@@ -155,6 +155,41 @@ class Fp8Layout:
         """Scale key -> its weight's key."""
         return {scale_name(key): key for key in self.shapes}
 
+    def quantized_writes(self, writes: Sequence[BoxWrite], through: torch.dtype | None,
+                         failure: BaseException | None) -> tuple[list[BoxWrite], BaseException | None, int]:
+        """``writes`` (this rank's, ``data`` the model's values, None for scales) with quantized weights
+        as :class:`Fp8Box` es and scales as their values; the amax reduction in between, on every rank
+        even after a ``failure`` (then this rank's parts are zeros and the failure is returned, for the
+        writer to raise once every rank knows). Also the number of blocks reduced."""
+        scales = self.scales
+        amax = BlockAmax(self, {})
+        out: list[BoxWrite] = []
+        try:
+            boxes: dict[str, list[Box]] = {}
+            for write in writes:
+                if write.tensor.key in self.shapes:
+                    boxes.setdefault(write.tensor.key, []).append(write.box)
+            amax = BlockAmax(self, boxes)
+            for write in writes:
+                if write.tensor.key in self.shapes:
+                    amax.add(write.tensor.key, write.box, write.data, through)
+        except Exception as e:  # noqa: BLE001 - raised by the writer once the other ranks know
+            failure = failure or e
+        amax.agree()
+        if failure is not None:
+            return [], failure, amax.reduced
+        for write in writes:
+            key = write.tensor.key
+            if key in self.shapes:
+                scale, _ = amax.scales(key, self.scale_box(write.box))
+                out.append(dataclasses.replace(write, data=Fp8Box(write.data, write.box, self.block, scale, through)))
+            elif key in scales:
+                _, inverse = amax.scales(scales[key], write.box)
+                out.append(dataclasses.replace(write, data=inverse.contiguous()))
+            else:
+                out.append(write)
+        return out, None, amax.reduced
+
     def grid(self, key: str) -> tuple[int, ...]:
         """The ceil grid of ``key``'s scales (leading dims one to one)."""
         return self.scale_box(Box.full(self.shapes[key])).sizes
@@ -405,37 +440,3 @@ class BlockAmax:
         return fp8_scales(self.amax[key][box.relative_to(self.hulls[key].offsets).slices()])
 
 
-def quantized_writes(layout: Fp8Layout, writes: Sequence[BoxWrite], through: torch.dtype | None,
-                     failure: BaseException | None) -> tuple[list[BoxWrite], BaseException | None, int]:
-    """``writes`` (this rank's, ``data`` the model's values, None for scales) with quantized weights
-    as :class:`Fp8Box` es and scales as their values; the amax reduction in between, on every rank
-    even after a ``failure`` (then this rank's parts are zeros and the failure is returned, for the
-    writer to raise once every rank knows). Also the number of blocks reduced."""
-    scales = layout.scales
-    amax = BlockAmax(layout, {})
-    out: list[BoxWrite] = []
-    try:
-        boxes: dict[str, list[Box]] = {}
-        for write in writes:
-            if write.tensor.key in layout.shapes:
-                boxes.setdefault(write.tensor.key, []).append(write.box)
-        amax = BlockAmax(layout, boxes)
-        for write in writes:
-            if write.tensor.key in layout.shapes:
-                amax.add(write.tensor.key, write.box, write.data, through)
-    except Exception as e:  # noqa: BLE001 - raised by the writer once the other ranks know
-        failure = failure or e
-    amax.agree()
-    if failure is not None:
-        return [], failure, amax.reduced
-    for write in writes:
-        key = write.tensor.key
-        if key in layout.shapes:
-            scale, _ = amax.scales(key, layout.scale_box(write.box))
-            out.append(dataclasses.replace(write, data=Fp8Box(write.data, write.box, layout.block, scale, through)))
-        elif key in scales:
-            _, inverse = amax.scales(scales[key], write.box)
-            out.append(dataclasses.replace(write, data=inverse.contiguous()))
-        else:
-            out.append(write)
-    return out, None, amax.reduced

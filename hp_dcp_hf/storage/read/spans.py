@@ -97,12 +97,11 @@ class Tensors:
 
 @dataclass(frozen=True)
 class Needs:
-    """One rank's needs as arrays, in its order: need ``i`` is the box ``offsets[i]``, ``sizes[i]``
-    (padded at the front, as :class:`Tensors` pads shapes) of stored tensor ``tensor[i]``."""
+    """One rank's needs as one int64 array, in its order: row ``i`` is need ``i``'s stored tensor,
+    then its box's offsets and sizes (padded at the front, as :class:`Tensors` pads shapes): the
+    form ranks gather, kept as is."""
 
-    tensor: np.ndarray
-    offsets: np.ndarray
-    sizes: np.ndarray
+    rows: np.ndarray
 
     @classmethod
     def of(cls, needs: Sequence[Need] | Needs, table: Tensors) -> Needs:
@@ -115,16 +114,23 @@ class Needs:
             rows[i, 0] = need.tensor
             rows[i, 1 + pad : 1 + table.ndim] = need.box.offsets
             rows[i, 1 + table.ndim + pad :] = need.box.sizes
-        return cls.from_rows(rows, table)
+        return cls(rows)
 
     @classmethod
     def from_rows(cls, rows: np.ndarray, table: Tensors) -> Needs:
-        rows = rows.reshape(-1, 1 + 2 * table.ndim)
-        return cls(rows[:, 0], rows[:, 1 : 1 + table.ndim], rows[:, 1 + table.ndim :])
+        return cls(rows.reshape(-1, 1 + 2 * table.ndim))
 
     @property
-    def rows(self) -> np.ndarray:
-        return np.concatenate([self.tensor[:, None], self.offsets, self.sizes], axis=1)
+    def tensor(self) -> np.ndarray:
+        return self.rows[:, 0]
+
+    @property
+    def offsets(self) -> np.ndarray:
+        return self.rows[:, 1 : 1 + self.rows.shape[1] // 2]
+
+    @property
+    def sizes(self) -> np.ndarray:
+        return self.rows[:, 1 + self.rows.shape[1] // 2 :]
 
     def __len__(self) -> int:
         return len(self.tensor)
@@ -180,11 +186,13 @@ def _tiles(offsets: np.ndarray, sizes: np.ndarray, shape: np.ndarray) -> bool:
     their elements must sum to the tensor's (checked pairwise, a block of rows at a time)."""
     cells = 1
     for d in range(offsets.shape[1]):
-        spans = np.unique(np.stack([offsets[:, d], sizes[:, d]], 1), axis=0)
-        if spans[0, 0] or np.any(spans[1:, 0] != spans[:-1].sum(1)) or spans[-1].sum() != shape[d]:
+        extent = int(shape[d]) + 1  # (offset, size) pairs as one sortable integer: offset-major
+        pairs = np.unique(offsets[:, d] * extent + sizes[:, d])
+        starts, lengths = pairs // extent, pairs % extent
+        if starts[0] or np.any(starts[1:] != (starts + lengths)[:-1]) or starts[-1] + lengths[-1] != shape[d]:
             cells = -1
             break
-        cells *= len(spans)
+        cells *= len(pairs)
     if cells == len(offsets):
         return True
     if sizes.prod(1).sum() != shape.prod():
@@ -324,7 +332,9 @@ class ClusterPlan:
         bounds = np.cumsum([0, *map(len, needs_by_rank)])
         extents = [(first[lo:hi], last[lo:hi]) if hi > lo else None for lo, hi in zip(bounds[:-1], bounds[1:])]
         total = sum(int((e - s).sum()) for s, e in union)
-        target = max(span_bytes, min(MAX_SPAN_BYTES, -(-total // (4 * world))))
+        # about a sixteenth of a rank's share: owners balance to within that (a span's requests
+        # are cut to the reader's size whatever its length)
+        target = max(span_bytes, min(MAX_SPAN_BYTES, -(-total // (16 * world))))
         lows, highs = _cut(*_keyed([_merge(starts, ends, gap) for starts, ends in union]),
                            _sole_stretches(extents), target)
         needed_lo, needed_hi = _keyed(union)
@@ -360,13 +370,12 @@ class ClusterPlan:
         table = self.table
         needs = Needs.of(needs, table)
         chosen = np.arange(len(needs))
-        selected = None
         if within is not None:
-            selected = np.zeros(len(self), dtype=bool)
-            selected[within] = True
+            within = np.sort(within)
             lo, hi = _touching(self._keys, *needs.extents(table))
-            reached = np.concatenate(([0], np.cumsum(selected)))
-            chosen = np.flatnonzero(reached[hi + 1] - reached[lo] > 0)
+            after = np.searchsorted(within, lo)  # the first span of within at or after each need's first
+            padded = np.append(within, len(self))  # past every span: "none after"
+            chosen = np.flatnonzero(padded[after] <= hi)
         file, start, end, need, offset = [], [], [], [], []
         for index in chosen.tolist():
             tensor = table.stored[needs.tensor[index]]
@@ -380,7 +389,7 @@ class ClusterPlan:
         order = np.lexsort((parts[1], parts[0]))  # stable: ties keep need order
         file_, start_, end_, need_, offset_ = (a[order] for a in parts)
         routed = self._split(file_, start_, end_, need_, offset_)
-        return routed if selected is None else routed.select(selected[routed.span])
+        return routed if within is None else routed.select(np.isin(routed.span, within, assume_unique=True))
 
     @cached_property
     def _keys(self) -> np.ndarray:
@@ -429,8 +438,7 @@ def _needers(lows: np.ndarray, highs: np.ndarray, extents: Sequence[tuple[np.nda
     """Per span (``[lows, highs)``, keys), the ranks needing bytes in it and about how many (their
     needs' ``extents`` inside the span: a preference for owners, not an exact count), as
     ``(indptr, ranks, nbytes)``: span ``s``'s are ``ranks[indptr[s]:indptr[s+1]]``."""
-    world = len(extents)
-    pair_keys, pair_bytes = [], []
+    pair_spans, pair_ranks, pair_bytes = ([np.zeros(0, dtype=np.int64)] for _ in range(3))
     for rank, extent in enumerate(extents):
         if extent is None or not len(lows):
             continue
@@ -439,14 +447,16 @@ def _needers(lows: np.ndarray, highs: np.ndarray, extents: Sequence[tuple[np.nda
         counts = hi - lo + 1
         at = np.repeat(np.arange(len(lo)), counts)
         span = _ranges(lo, counts)
-        inside = np.minimum(last[at], highs[span]) - np.maximum(first[at], lows[span])
-        pair_keys.append(span * world + rank)
-        pair_bytes.append(np.maximum(inside, 0))
-    if not pair_keys:
-        return np.zeros(len(lows) + 1, dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-    merged, where = np.unique(np.concatenate(pair_keys), return_inverse=True)
-    nbytes = np.bincount(where, weights=np.concatenate(pair_bytes)).astype(np.int64)
-    spans, ranks = merged // world, merged % world
+        inside = np.maximum(np.minimum(last[at], highs[span]) - np.maximum(first[at], lows[span]), 0)
+        order = np.argsort(span, kind="stable")  # needs come in byte order: (nearly) sorted already
+        span, inside = span[order], inside[order]
+        starts = np.flatnonzero(np.concatenate(([True], span[1:] != span[:-1])))  # one pair per span
+        pair_spans.append(span[starts])
+        pair_ranks.append(np.full(len(starts), rank, dtype=np.int64))
+        pair_bytes.append(np.add.reduceat(inside, starts) if len(starts) else inside[:0])
+    spans, ranks, nbytes = (np.concatenate(a) for a in (pair_spans, pair_ranks, pair_bytes))
+    order = np.argsort(spans, kind="stable")  # by span, ranks ascending within one
+    spans, ranks, nbytes = spans[order], ranks[order], nbytes[order]
     return np.searchsorted(spans, np.arange(len(lows) + 1)), ranks, nbytes
 
 
@@ -476,11 +486,13 @@ def _sole_stretches(extents: Sequence[tuple[np.ndarray, np.ndarray] | None]) -> 
                    np.full(len(last), -1 - rank * 2**20, dtype=np.int64)]
     if not bounds:
         return np.zeros(0, dtype=np.int64)
-    keys, where = np.unique(np.concatenate(bounds), return_inverse=True)
+    keys = np.concatenate(bounds)
+    order = np.argsort(keys, kind="stable")
+    keys = keys[order]
     # per segment between consecutive keys: how many ranks cover it and, where one does, which
-    cover = np.cumsum(np.bincount(where, weights=np.concatenate(deltas), minlength=len(keys)).astype(np.int64))[:-1]
+    cover = np.cumsum(np.concatenate(deltas)[order])[:-1]
     depth, rank = cover % 2**20, cover // 2**20
-    covered = np.flatnonzero(depth > 0)
+    covered = np.flatnonzero((depth > 0) & (keys[1:] > keys[:-1]))
     label = np.where(depth[covered] == 1, rank[covered], -1)
     file = keys[covered] >> _FILE_SHIFT
     new = np.concatenate(([True], (label[1:] != label[:-1]) | (file[1:] != file[:-1]) | (label[1:] < 0)))

@@ -26,8 +26,8 @@ import dataclasses
 import os
 import threading
 import uuid
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import fsspec
 import torch
@@ -43,8 +43,21 @@ from hp_dcp_hf.storage.format.journal import SAVE_ID_KEY, SAVE_ID_LENGTH
 from hp_dcp_hf.storage.write.destination import BoxWrite, Destination, Directory, Staged
 from hp_dcp_hf.storage.write.multipart import DEFAULT_PART_BYTES, LEASE_SECONDS, MultipartUploads
 
-if TYPE_CHECKING:  # hp_dcp_hf.quantize sits above the storage layers (it imports their destinations)
-    from hp_dcp_hf.quantize import Fp8Layout
+
+class Quantization(Protocol):
+    """Weights a save stores quantized, as its planner hands them to every rank's writer
+    (:class:`hp_dcp_hf.quantize.Fp8Layout`, a layer above this one)."""
+
+    shapes: dict[str, tuple[int, ...]]  # quantized key -> its shape
+
+    @property
+    def scales(self) -> dict[str, str]:
+        """Scale key -> its weight's key."""
+
+    def quantized_writes(self, writes: Sequence[BoxWrite], through: torch.dtype | None,
+                         failure: BaseException | None) -> tuple[list[BoxWrite], BaseException | None, int]:
+        """This rank's ``writes`` with the weights quantized and their scales' values (a
+        collective: every rank calls it, after a ``failure`` too, which it returns)."""
 
 
 def destination_for(path: str, storage_options: dict[str, Any], part_bytes: int = DEFAULT_PART_BYTES,
@@ -117,7 +130,7 @@ class HFStorageWriter(StorageWriter):
         self.staged: Staged | None = None
         self.bytes_written = 0
         self._bytes_to_write = 0
-        self.quantization: Fp8Layout | None = None
+        self.quantization: Quantization | None = None
         self.amax_reduced = 0
         self.is_coordinator = False
 
@@ -193,10 +206,8 @@ class HFStorageWriter(StorageWriter):
         except Exception as e:  # noqa: BLE001 - the destination raises it, once the other ranks know
             writes, failure = [], e
         if self.quantization is not None:  # every rank: the amax reduction is a collective
-            from hp_dcp_hf.quantize import quantized_writes
-
             through = self.dtype if self.dtype is not None and self.dtype.is_floating_point else None
-            writes, failure, self.amax_reduced = quantized_writes(self.quantization, writes, through, failure)
+            writes, failure, self.amax_reduced = self.quantization.quantized_writes(writes, through, failure)
         self.bytes_written, self._bytes_to_write = 0, sum(w.box.numel * w.tensor.dtype.itemsize for w in writes)
         self._wrote(0)
         sizes = self.destination.write(staged, self.files, writes, self.staging_bytes, failure, progress=self._wrote)
