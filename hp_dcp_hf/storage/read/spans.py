@@ -339,7 +339,7 @@ class ClusterPlan:
                            _sole_stretches(extents), target)
         needed_lo, needed_hi = _keyed(union)
         needed = _covered(needed_lo, needed_hi, highs) - _covered(needed_lo, needed_hi, lows)
-        indptr, needers, nbytes = _needers(lows, highs, extents)
+        indptr, needers, nbytes = _needers(lows, highs, first, last, np.repeat(np.arange(world), np.diff(bounds)))
         owner = _assign(highs - lows, indptr, needers, nbytes,
                         np.asarray(nodes if nodes is not None else range(world), dtype=np.int64), target)
         return cls(tuple(files), lows >> _FILE_SHIFT, lows & _BYTE_MASK, highs & _BYTE_MASK, owner, needed, world,
@@ -433,30 +433,27 @@ def _touching(keys: np.ndarray, first: np.ndarray, last: np.ndarray) -> tuple[np
     return lo, hi
 
 
-def _needers(lows: np.ndarray, highs: np.ndarray, extents: Sequence[tuple[np.ndarray, np.ndarray] | None]
+def _needers(lows: np.ndarray, highs: np.ndarray, first: np.ndarray, last: np.ndarray, rank: np.ndarray
              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per span (``[lows, highs)``, keys), the ranks needing bytes in it and about how many (their
-    needs' ``extents`` inside the span: a preference for owners, not an exact count), as
-    ``(indptr, ranks, nbytes)``: span ``s``'s are ``ranks[indptr[s]:indptr[s+1]]``."""
-    pair_spans, pair_ranks, pair_bytes = ([np.zeros(0, dtype=np.int64)] for _ in range(3))
-    for rank, extent in enumerate(extents):
-        if extent is None or not len(lows):
-            continue
-        first, last = extent
-        lo, hi = _touching(lows, first, last)
-        counts = hi - lo + 1
-        at = np.repeat(np.arange(len(lo)), counts)
-        span = _ranges(lo, counts)
-        inside = np.maximum(np.minimum(last[at], highs[span]) - np.maximum(first[at], lows[span]), 0)
-        order = np.argsort(span, kind="stable")  # needs come in byte order: (nearly) sorted already
-        span, inside = span[order], inside[order]
-        starts = np.flatnonzero(np.concatenate(([True], span[1:] != span[:-1])))  # one pair per span
-        pair_spans.append(span[starts])
-        pair_ranks.append(np.full(len(starts), rank, dtype=np.int64))
-        pair_bytes.append(np.add.reduceat(inside, starts) if len(starts) else inside[:0])
-    spans, ranks, nbytes = (np.concatenate(a) for a in (pair_spans, pair_ranks, pair_bytes))
-    order = np.argsort(spans, kind="stable")  # by span, ranks ascending within one
-    spans, ranks, nbytes = spans[order], ranks[order], nbytes[order]
+    """Per span (``[lows, highs)``, keys), the ranks needing bytes in it and about how many (the
+    extents ``first``, ``last`` of every rank's needs, need ``i`` of rank ``rank[i]``, inside the
+    span: a preference for owners, not an exact count), as ``(indptr, ranks, nbytes)``: span
+    ``s``'s are ``ranks[indptr[s]:indptr[s+1]]``."""
+    if not len(lows) or not len(first):
+        return np.zeros(len(lows) + 1, dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    lo, hi = _touching(lows, first, last)
+    counts = hi - lo + 1
+    at = np.repeat(np.arange(len(lo)), counts)
+    span = _ranges(lo, counts)
+    inside = np.maximum(np.minimum(last[at], highs[span]) - np.maximum(first[at], lows[span]), 0)
+    # one pair per (span, rank): rank-major keys come (nearly) sorted, needs being in byte order
+    pair = rank[at] * len(lows) + span
+    order = np.argsort(pair, kind="stable")
+    pair, inside = pair[order], inside[order]
+    starts = np.flatnonzero(np.concatenate(([True], pair[1:] != pair[:-1])))
+    pair, nbytes = pair[starts], np.add.reduceat(inside, starts)
+    order = np.argsort(pair % len(lows), kind="stable")  # by span, ranks ascending within one
+    spans, ranks, nbytes = pair[order] % len(lows), pair[order] // len(lows), nbytes[order]
     return np.searchsorted(spans, np.arange(len(lows) + 1)), ranks, nbytes
 
 
