@@ -370,8 +370,16 @@ def rank_spans(rank: int, mine: Any, encoded: Sequence[Any], tensors: Any, files
                nodes: Sequence[int]) -> tuple[Any, dict[str, float], int]:
     """What ``rank`` computes in a cooperative ``read_data`` once the needs are gathered (as
     :func:`~hp_dcp_hf.storage.read.span_reads.read_spans` does): decode the others' needs, build the
-    plan, route its own needs and every other rank's into its own spans. The plan, the seconds of
-    each step, and the bytes it sends."""
+    plan, route its own needs and every other rank's into its own spans, with collection paused as
+    ``read_data`` runs. The plan, the seconds of each step, and the bytes it sends."""
+    from hp_dcp_hf.perf import paused_gc
+
+    with paused_gc():
+        return _rank_spans(rank, mine, encoded, tensors, files, nodes)
+
+
+def _rank_spans(rank: int, mine: Any, encoded: Sequence[Any], tensors: Any, files: Sequence[str],
+                nodes: Sequence[int]) -> tuple[Any, dict[str, float], int]:
     from hp_dcp_hf.storage.read.spans import ClusterPlan, decode_needs
 
     t0 = time.perf_counter()
