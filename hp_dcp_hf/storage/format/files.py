@@ -21,7 +21,6 @@ import torch
 
 from hp_dcp_hf.storage.format.dtypes import SAFETENSORS_DTYPES
 
-SINGLE_FILE = "model.safetensors"
 FILE_PATTERN = "model{suffix}.safetensors"
 _NAMES = {d.torch_dtype: name for name, d in SAFETENSORS_DTYPES.items() if d.pack == 1 and name != "F8_E8M0"}
 
