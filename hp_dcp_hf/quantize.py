@@ -1,16 +1,23 @@
-"""FP8 block-scaled saves (``quant_method: "fp8"``): what transformers' FP8 quantizer would store.
+"""FP8 block-scaled saves (``quant_method: "fp8"``): what transformers' FP8 quantizer stores.
 
 *What* is quantized is transformers' own choice: its ``FineGrainedFP8HfQuantizer`` converts a meta
 skeleton of the model (every plain ``nn.Linear`` and stacked ``experts`` but
 ``modules_to_not_convert``, by default the output embeddings, tied modules and the last one), and
-the checkpoint tensors those parameters save as are the quantized ones (per-expert weights of
-stacked experts each on its own grid, as FP8 checkpoints ship them). *How* is ``Fp8Quantize``'s
-arithmetic, in float32: per ``weight_block_size`` block of the last two dims ``scale = 448 / amax``
-(1 for a block of zeros), ``q = clamp(w * scale, -448, 448)`` as ``float8_e4m3fn``, and
-``weight_scale_inv = 1 / scale``. Grids are ceil grids, as transformers' ``FP8Linear`` allocates
-its scales and DeepSeek-V3 ships them: a partial last block's amax is over the elements it has,
-which is ``Fp8Quantize`` of the weight zero-padded to whole blocks (``Fp8Quantize`` itself leaves a
-weight whose dims are not multiples of the block unquantized).
+its ``Fp8Quantize`` quantizes a converted tensor only where its last two dims are multiples of
+``weight_block_size``; a tensor that is not stays in the model's dtype. The checkpoint tensors the
+quantized parameters save as are the FP8 ones (per-expert weights of stacked experts each on its
+own grid, as FP8 checkpoints ship them). A kept tensor is written without a scale (transformers
+writes its ``FP8Linear``'s uninitialized one, which its CPU load then multiplies in) and its module
+is named in the ``modules_to_not_convert`` of ``config.json``, so transformers loads it as the
+plain ``nn.Linear`` it is. *How* is ``Fp8Quantize``'s arithmetic, in float32: per block of the
+last two dims ``scale = 448 / amax`` (1 for a block of zeros), ``q = clamp(w * scale, -448, 448)``
+as ``float8_e4m3fn``, and ``weight_scale_inv = 1 / scale``.
+
+:class:`CeilGrids` (opt-in) quantizes the kept tensors too, on ceil grids (DeepSeek-V3's layout, as
+``FP8Linear`` allocates its scales): a partial last block's amax is over the elements it has, which
+is ``Fp8Quantize`` of the weight zero-padded to whole blocks. transformers' CPU dequantize derives
+the block from the grid (600 rows on 5 scale rows: 120) and mis-reads such weights without an
+error, hence off by default.
 
 Each rank quantizes only the boxes it writes. A block that several ranks write parts of (a TP or
 FSDP border inside it) needs the amax over all its parts: every rank finds the same such blocks
@@ -49,7 +56,24 @@ FORMATS = ("fp8",)
 
 Quantize = Any
 """``quantize=``: ``"fp8"``, a ``quantization_config`` dict with ``quant_method: "fp8"`` (a
-checkpoint's own), or a transformers ``FineGrainedFP8Config``."""
+checkpoint's own), a transformers ``FineGrainedFP8Config``, or one of these in :class:`CeilGrids`."""
+
+
+@dataclass(frozen=True)
+class CeilGrids:
+    """``quantize=CeilGrids("fp8")`` (or of a config): that save, with the weights whose last two dims
+    are not multiples of the block in FP8 too, on ceil scale grids, as DeepSeek-V3 ships them and
+    hp-dcp-hf loads them (by ``weight_block_size``). transformers' CPU load mis-reads them (it
+    derives the block from the grid), so this is opt-in; without it such weights keep the model's
+    dtype, as transformers' quantizer keeps them."""
+
+    quantize: Quantize = "fp8"
+
+
+def whole_blocks(shape: Sequence[int], block: Sequence[int]) -> bool:
+    """Whether ``Fp8Quantize`` quantizes a tensor of ``shape``: two dims or more, the last two
+    multiples of ``block``."""
+    return len(shape) >= 2 and shape[-2] % block[0] == 0 and shape[-1] % block[1] == 0
 
 
 def fp8_config(quantize: Quantize) -> Any:
@@ -59,6 +83,8 @@ def fp8_config(quantize: Quantize) -> Any:
     experts, embeddings to convert, or per-tensor scales (no ``weight_block_size``)."""
     from transformers.utils.quantization_config import FineGrainedFP8Config
 
+    if isinstance(quantize, CeilGrids):
+        return fp8_config(quantize.quantize)
     if isinstance(quantize, str):
         if quantize not in FORMATS:
             raise ArgumentError(f"quantize must be one of {list(FORMATS)} (or an FP8 quantization_config), "
@@ -75,7 +101,7 @@ def fp8_config(quantize: Quantize) -> Any:
     elif isinstance(quantize, FineGrainedFP8Config):
         config = copy.deepcopy(quantize)
     else:
-        raise ArgumentError(f"quantize must be 'fp8', a quantization_config dict or a FineGrainedFP8Config, "
+        raise ArgumentError(f"quantize must be 'fp8', a quantization_config dict, a FineGrainedFP8Config or a CeilGrids, "
                             f"got {type(quantize).__name__}")
     unsupported = {
         "activation_scheme": (config.activation_scheme, "dynamic"),
@@ -97,16 +123,27 @@ def fp8_config(quantize: Quantize) -> Any:
 class Fp8Conversion:
     """What transformers' FP8 quantizer makes of a model: the canonical (model-side) names it
     quantizes, the config it puts in ``config.json`` (``modules_to_not_convert`` normalized as it
-    does) and the parameter count of the quantized model (the index's ``total_parameters``)."""
+    does, with the modules it keeps in the model's dtype), the parameter count of the quantized
+    model (the index's ``total_parameters``) and whether partial blocks are quantized
+    (:class:`CeilGrids`)."""
 
     canonical: frozenset[str]
     config: Any
     total_parameters: int
+    ceil_grids: bool = False
+
+    def quantizes(self, shape: Sequence[int]) -> bool:
+        """Whether a checkpoint tensor of ``shape`` made of quantized canonical tensors is FP8: on
+        its own grid, it needs whole blocks (a stacked tensor's blocks may cross the border of
+        two per-expert tensors) unless ceil grids are asked for."""
+        return self.ceil_grids or whole_blocks(shape, self.config.weight_block_size)
 
 
-def fp8_conversion(skeleton: torch.nn.Module, config: Any) -> Fp8Conversion:
+def fp8_conversion(skeleton: torch.nn.Module, config: Any, ceil_grids: bool = False) -> Fp8Conversion:
     """Run transformers' FP8 quantizer on ``skeleton`` (a fresh meta model of the class; it is
-    converted in place) and read off what it converted."""
+    converted in place) and read off what it converted; the converted tensors that are not whole
+    blocks are kept (``Fp8Quantize`` passes them through) unless ``ceil_grids``, and their modules
+    join ``modules_to_not_convert`` (with the quantizer's own list, which a given list replaces)."""
     from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
 
     config = copy.deepcopy(config)
@@ -116,8 +153,15 @@ def fp8_conversion(skeleton: torch.nn.Module, config: Any) -> Fp8Conversion:
     except Exception as e:  # transformers' refusal (FP8Experts with biases, ...)
         raise ArgumentError(f"quantize=: transformers' FP8 quantizer cannot convert {type(skeleton).__name__} "
                             f"({type(e).__name__}: {e})") from e
-    canonical = frozenset(k for k, v in skeleton.state_dict().items() if v.dtype == FP8)
-    return Fp8Conversion(canonical, config, skeleton.num_parameters())
+    state = skeleton.state_dict()
+    converted = {k for k, v in state.items() if v.dtype == FP8}
+    canonical = {k for k in converted if ceil_grids or whole_blocks(state[k].shape, config.weight_block_size)}
+    kept = sorted(converted - canonical)
+    if kept:
+        config.modules_to_not_convert = sorted(
+            set(quantizer.modules_to_not_convert) | {k.rpartition(".")[0] for k in kept})
+    unwritten = sum(state[scale_name(k)].numel() for k in kept if scale_name(k) in state)
+    return Fp8Conversion(frozenset(canonical), config, skeleton.num_parameters() - unwritten, ceil_grids)
 
 
 def scale_name(key: str) -> str:

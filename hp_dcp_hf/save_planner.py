@@ -75,6 +75,7 @@ from hp_dcp_hf.planner import alias_groups
 from hp_dcp_hf.quantize import (
     FP8,
     SCALE_DTYPE,
+    CeilGrids,
     Fp8Conversion,
     Fp8Layout,
     Quantize,
@@ -118,13 +119,13 @@ class SaveRequest:
 
 def saved_tensors(
     model: nn.Module, weights_mapping: Sequence[WeightTransform] | None = None, quantize: Any = None,
-    hf_config: Any = None,
+    hf_config: Any = None, ceil_grids: bool = False,
 ) -> tuple[dict[str, TensorSpec], dict[str, tuple[int, int]], nn.Module, tuple[Fp8Conversion, frozenset[str]] | None]:
     """The checkpoint tensors that ``weights_mapping`` (checkpoint -> canonical) loads into
     ``model``, which of them are views of one storage (key -> (storage group, its elements):
     ``save_pretrained`` splits files by storage), the skeleton they come from, and, given a
     ``quantize`` config (``FineGrainedFP8Config``), what transformers' FP8 quantizer makes of the
-    model and the checkpoint keys it quantizes (None without).
+    model and the checkpoint keys it quantizes (None without; ``ceil_grids``: :class:`CeilGrids`).
 
     A transformers model's canonical tensors are those of a meta skeleton of its class and config
     (tied copies and ``_keys_to_ignore_on_save`` dropped, as ``save_pretrained`` drops them), in the
@@ -164,7 +165,7 @@ def saved_tensors(
             state.pop(key, None)
         state = remove_tied_weights_from_state_dict(state, skeleton)
         if quantize is not None:
-            conversion = fp8_conversion(build(), quantize)
+            conversion = fp8_conversion(build(), quantize, ceil_grids)
             state.update({key: state[key].to(FP8) for key in conversion.canonical if key in state})
         converting: Any = skeleton
     elif weights_mapping is None:
@@ -191,7 +192,8 @@ def saved_tensors(
     specs = {key: TensorSpec(tuple(t.shape), dtype if t.dtype == FP8 else t.dtype) for key, t in state.items()}
     quantized = None
     if conversion is not None:
-        quantized = conversion, frozenset(key for key, t in state.items() if t.dtype == FP8)
+        quantized = conversion, frozenset(key for key, t in state.items()
+                                          if t.dtype == FP8 and conversion.quantizes(t.shape))
     return specs, storage, skeleton, quantized
 
 
@@ -258,8 +260,10 @@ class HFSavePlanner(SavePlanner):
             model was loaded with, else transformers' own for its class.
         quantize: ``"fp8"`` (or an FP8 ``quantization_config`` dict, or a ``FineGrainedFP8Config``:
             ``weight_block_size``, ``modules_to_not_convert``) to write the block-scaled FP8
-            checkpoint transformers' FP8 quantizer makes of a transformers model. A model that is
-            quantized already, or is not a transformers model, is an :class:`ArgumentError`.
+            checkpoint transformers' FP8 quantizer makes of a transformers model (weights that are
+            not whole blocks kept in the model's dtype; in :class:`~hp_dcp_hf.quantize.CeilGrids`,
+            FP8 on ceil grids). A model that is quantized already, or is not a transformers model,
+            is an :class:`ArgumentError`.
         hf_config: a transformers config: save a module that is not a transformers model as the
             checkpoint of transformers' model for it (files, keys, ``config.json``), its tensors made
             of that checkpoint by ``weights_mapping`` (torchtitan's models, :mod:`hp_dcp_hf.integrations`).
@@ -283,6 +287,7 @@ class HFSavePlanner(SavePlanner):
         self.pipeline_stage = pipeline_stage
         self._shapes: dict[str, tuple[int, ...]] = {}  # every checkpoint tensor the save writes, by key
         self.quantize = None if quantize is None else fp8_config(quantize)
+        self.ceil_grids = isinstance(quantize, CeilGrids)
         if self.quantize is not None:
             if not isinstance(model, PreTrainedModel) or getattr(model, "config", None) is None:
                 raise ArgumentError("quantize= needs a transformers model: transformers' FP8 quantizer decides "
@@ -339,7 +344,8 @@ class HFSavePlanner(SavePlanner):
     def plan_writes(self, state_dict: Mapping[str, Any]) -> tuple[list[WriteItem], SaveRequest]:
         """Validate everything and return this rank's WriteItems and what its writer needs."""
         mapping = self.weights_mapping if self.weights_mapping is not None else recorded_checkpoint_mapping(self.model)
-        specs, storage, skeleton, quantized = saved_tensors(self.model, mapping, self.quantize, self.hf_config)
+        specs, storage, skeleton, quantized = saved_tensors(self.model, mapping, self.quantize, self.hf_config,
+                                                           self.ceil_grids)
         composition = Composition(
             model_stages(self.model, mapping),
             specs,

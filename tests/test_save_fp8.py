@@ -1,23 +1,27 @@
 """FP8 saves in one process: ``save_hf_checkpoint(model, path, quantize="fp8")`` writes the
 block-scaled FP8 checkpoint transformers' FP8 quantizer makes of the model.
 
-Oracles, all transformers' own: ``Fp8Quantize`` of each full checkpoint tensor (zero-padded to
-whole blocks where the grid is a ceil grid: ``Fp8Quantize`` leaves such a weight unquantized, while
-its ``FP8Linear`` allocates ceil grids and DeepSeek-V3 ships them), and ``save_pretrained`` of
-transformers' FP8 model of the same weights. transformers quantizes on the fly only on a GPU
-(``from_pretrained`` refuses without one), so that model is put together by hand from its own
-parts: the quantizer's ``preprocess_model`` swaps in ``FP8Linear``, filled with ``Fp8Quantize``'s
-tensors. transformers' ``from_pretrained`` of our output loads (dequantized, on CPU), and a
-checkpoint loaded from FP8 and saved back is byte-identical to the one it came from.
+The oracle is transformers' own: ``from_pretrained(..., quantization_config=FineGrainedFP8Config(...))``
+of the model's bf16 checkpoint, then ``save_pretrained`` (its quantizer refuses to quantize on the
+fly without a GPU, though all it runs is ``Fp8Quantize``'s plain torch: :func:`quantizing_on_cpu`
+lifts that one check). A weight whose dims are not multiples of the block stays in the model's
+dtype, as there; transformers writes beside it its ``FP8Linear``'s uninitialized scale, which its
+CPU load multiplies in, while the save writes no scale and names the module in
+``modules_to_not_convert``. :class:`~hp_dcp_hf.quantize.CeilGrids` quantizes those weights too,
+on ceil grids: ``Fp8Quantize`` of the weight zero-padded to whole blocks. transformers'
+``from_pretrained`` of our output loads (dequantized, on CPU), and a checkpoint loaded from FP8 and
+saved back is byte-identical to the one it came from.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
 from pathlib import Path
 from types import SimpleNamespace
+from unittest import mock
 
 import pytest
 import torch
@@ -26,7 +30,17 @@ from safetensors.torch import load_file
 import hp_dcp_hf
 from hp_dcp_hf.box import Box
 from hp_dcp_hf.errors import ArgumentError
-from hp_dcp_hf.quantize import BlockAmax, Fp8Box, Fp8Layout, block_amax, fp8_config, fp8_scales, quantize_box
+from hp_dcp_hf.quantize import (
+    BlockAmax,
+    CeilGrids,
+    Fp8Box,
+    Fp8Layout,
+    block_amax,
+    fp8_config,
+    fp8_scales,
+    quantize_box,
+    whole_blocks,
+)
 from tests.families import build_family_model, family_model_class, save_family_model, tiny_family_config
 from tests.quantized import dequantize_reference, is_projection
 from tests.test_save import SHARD, anonymized, assert_same_checkpoint
@@ -36,6 +50,10 @@ BLOCK16 = {"quant_method": "fp8", "weight_block_size": [16, 16]}
 #: llama sizes where every projection is whole 16 x 16 blocks (transformers' Fp8Quantize converts them all)
 DIVISIBLE = {"hidden_size": 64, "intermediate_size": 96, "head_dim": 16, "num_attention_heads": 4,
              "num_key_value_heads": 2}
+#: llama sizes with projections that are and are not whole blocks: of 128 x 128, q/k/v/o are and the
+#: MLP's 352 is not; of 32 x 64, gate/up [352, 256] are and down [256, 352] is not
+MIXED = {"hidden_size": 256, "intermediate_size": 352, "head_dim": 64, "num_attention_heads": 4,
+         "num_key_value_heads": 2}
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -62,12 +80,13 @@ def bits(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous().view(torch.uint8)
 
 
-def assert_fp8_of(saved: Path, reference: Path, block: tuple[int, int]) -> set[str]:
+def assert_fp8_of(saved: Path, reference: Path, block: tuple[int, int], ceil_grids: bool) -> set[str]:
     """``saved`` is the checkpoint at ``reference`` (save_pretrained's, unquantized) with every
-    projection weight replaced by ``Fp8Quantize``'s FP8 tensor and scales; the quantized keys."""
+    projection weight that is whole blocks (every one, ``ceil_grids``) replaced by ``Fp8Quantize``'s
+    FP8 tensor and scales; the quantized keys."""
     ours, theirs = tensors(saved), tensors(reference)
     quantized = {k for k, v in ours.items() if v.dtype == FP8}
-    assert quantized == {k for k, v in theirs.items() if is_projection(k, v)}
+    assert quantized == {k for k, v in theirs.items() if is_projection(k, v) and (ceil_grids or whole_blocks(v.shape, block))}
     expected = {}
     for key, value in theirs.items():
         if key in quantized:
@@ -79,10 +98,30 @@ def assert_fp8_of(saved: Path, reference: Path, block: tuple[int, int]) -> set[s
     return quantized
 
 
-def transformers_fp8_model(model, quantization_config):
-    """transformers' FP8 model of ``model``'s weights: its quantizer's ``FP8Linear`` modules, holding
-    what its ``Fp8Quantize`` makes of each weight (what ``from_pretrained(quantization_config=)``
-    builds on a GPU)."""
+@contextlib.contextmanager
+def quantizing_on_cpu():
+    """transformers' FP8 quantizer refuses to quantize on the fly without a GPU (its
+    ``validate_environment``); what it runs to quantize and save is plain torch, so here it may."""
+    from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
+
+    with mock.patch.object(FineGrainedFP8HfQuantizer, "validate_environment", lambda self, *args, **kwargs: None):
+        yield
+
+
+def transformers_fp8_model(model, quantization_config, directory: Path):
+    """transformers' FP8 model of ``model``'s weights: ``from_pretrained(quantization_config=)`` of
+    its ``save_pretrained`` checkpoint (written to ``directory``)."""
+    source = save_family_model(model, directory)
+    with quantizing_on_cpu():
+        return type(model).from_pretrained(source, quantization_config=copy.deepcopy(quantization_config),
+                                           dtype=model.dtype)
+
+
+def assembled_fp8_model(model, quantization_config):
+    """transformers' FP8 model of ``model``'s weights built from its config, as ``save_pretrained``
+    orders a model built so (one loaded by ``from_pretrained`` saves in another order, FP8 or not):
+    its quantizer's ``FP8Linear`` modules holding what its ``Fp8Quantize`` makes of each weight (for
+    weights of whole blocks, where that is every tensor they hold)."""
     from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
 
     quantizer = FineGrainedFP8HfQuantizer(copy.deepcopy(quantization_config), pre_quantized=False)
@@ -158,43 +197,107 @@ def test_block_arithmetic_is_fp8quantize_s_by_parts_too(shape, block):
 
 def test_partial_blocks_get_ceil_grids_where_fp8quantize_leaves_the_weight():
     """transformers' ``Fp8Quantize`` returns a weight whose dims are not whole blocks unquantized;
-    its ``FP8Linear`` allocates a ceil grid of scales for it: that grid is what the save writes, each
-    partial block scaled by the amax of the elements it has."""
+    its ``FP8Linear`` allocates a ceil grid of scales for it: that grid is what a ``CeilGrids``
+    save writes, each partial block scaled by the amax of the elements it has."""
     from transformers.integrations.finegrained_fp8 import FP8Linear, Fp8Quantize
     from transformers.utils.quantization_config import FineGrainedFP8Config
 
     weight = torch.randn(40, 44, dtype=torch.bfloat16)
     op = Fp8Quantize(SimpleNamespace(quantization_config=FineGrainedFP8Config(weight_block_size=(16, 16))))
     assert op.convert({"w.weight": weight}) == {"w.weight": weight}
-    layout = Fp8Layout(fp8_config(BLOCK16), {"w.weight": (40, 44)})
+    assert not whole_blocks(weight.shape, (16, 16)) and whole_blocks((3, 48, 32), (16, 16))
+    layout = Fp8Layout(fp8_config(CeilGrids(BLOCK16)), {"w.weight": (40, 44)})
     assert layout.grid("w.weight") == tuple(FP8Linear(44, 40, block_size=(16, 16)).weight_scale_inv.shape) == (3, 3)
 
 
 # -- what the save writes ----------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("block", [(128, 128), (32, 64)], ids=["fp8", "32x64"])
+def test_fp8_save_is_transformers_own_fp8_checkpoint(block, tmp_path):
+    """Projections that are and are not whole blocks (of 128 x 128 and of a custom 32 x 64): every
+    tensor transformers' FP8 checkpoint of the same weights holds is ours bit for bit, the same
+    weights FP8 and the same kept in bf16. It also holds a scale beside each kept weight (its
+    ``FP8Linear``'s uninitialized one), ours none, the module in ``modules_to_not_convert``
+    instead, so that its quantizer builds from our config.json exactly the FP8 modules we wrote.
+    transformers' CPU load of ours is what its own FP8 model holds (``Fp8Dequantize`` of its FP8
+    weights, the kept ones as they are) and what hp-dcp-hf loads. (Its CPU load of its own
+    checkpoint cannot be the reference: it multiplies the kept weights by those uninitialized
+    scales, or, as here, where rows do not divide by the grid, raises.)"""
+    from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
+    from transformers.utils.quantization_config import FineGrainedFP8Config
+
+    model = llama(**MIXED)
+    quantize = "fp8" if block == (128, 128) else FineGrainedFP8Config(weight_block_size=block)
+    their_model = transformers_fp8_model(model, fp8_config(quantize), tmp_path / "bf16")
+    their_model.save_pretrained(theirs := tmp_path / "theirs", max_shard_size="200KB")
+    hp_dcp_hf.save_hf_checkpoint(model, tmp_path / "ours", quantize=quantize, max_shard_size="200KB")
+    ours, stored = tensors(tmp_path / "ours"), tensors(theirs)
+    fp8 = {k for k, v in ours.items() if v.dtype == FP8}
+    kept = {k for k, v in ours.items() if is_projection(k, v) and v.dtype != FP8}
+    assert fp8 and kept and {k for k, v in stored.items() if v.dtype == FP8} == fp8
+    assert set(stored) - set(ours) == {k.removesuffix("weight") + "weight_scale_inv" for k in kept}
+    assert not [k for k, v in ours.items() if v.dtype != stored[k].dtype or not torch.equal(bits(v), bits(stored[k]))]
+
+    config = json.loads((tmp_path / "ours" / "config.json").read_text())
+    their_config = json.loads((theirs / "config.json").read_text())
+    written = config.pop("quantization_config")
+    assert written["modules_to_not_convert"] == sorted({"lm_head"} | {k.removesuffix(".weight") for k in kept})
+    assert their_config.pop("quantization_config") == {**written, "modules_to_not_convert": None}
+    assert config == their_config
+    quantizer = FineGrainedFP8HfQuantizer(FineGrainedFP8Config.from_dict(written), pre_quantized=True)
+    with torch.device("meta"):
+        skeleton = type(model)._from_config(model.config, dtype=torch.bfloat16)
+    quantizer.preprocess_model(skeleton)
+    assert {k for k, v in skeleton.state_dict().items() if v.dtype == FP8} == fp8
+
+    loaded = type(model).from_pretrained(tmp_path / "ours").state_dict()
+    their_state = their_model.state_dict()
+    ours_loaded, _ = hp_dcp_hf.from_pretrained(str(tmp_path / "ours"), model_cls=type(model))
+    for key, value in loaded.items():
+        held = their_state[key]
+        if key in fp8:
+            held = dequantize_reference(held, their_state[key.removesuffix("weight") + "weight_scale_inv"], block)
+        assert value.dtype == torch.bfloat16 and torch.equal(value, held), key
+        assert torch.equal(ours_loaded.state_dict()[key], value), key
+    assert all(torch.equal(loaded[k], model.state_dict()[k]) for k in kept)
+
+
 @pytest.mark.parametrize("family", ["llama", "deepseek_v3", "qwen3_moe", "gte"])
-def test_fp8_save_is_fp8quantize_of_every_projection(family, tmp_path):
-    """Ceil grids everywhere (the tiny sizes are not multiples of 16), MLA (deepseek_v3), per-expert
-    weights each on its own grid (qwen3_moe's stacked experts), a checkpoint tensor made of three
-    model tensors (gte's qkv_proj): the projections are FP8 with their scales, everything else is
-    ``save_pretrained``'s, and config.json is ``save_pretrained``'s with the quantization_config."""
+@pytest.mark.parametrize("ceil_grids", [True, False], ids=["ceil", "whole"])
+def test_fp8_save_is_fp8quantize_of_the_projections(family, ceil_grids, tmp_path):
+    """MLA (deepseek_v3), per-expert weights each on its own grid (qwen3_moe's stacked experts), a
+    checkpoint tensor made of three model tensors (gte's qkv_proj): the projections that are whole
+    blocks (of 4 x 4: some are, some not; ``CeilGrids``: every one, on ceil grids, as the tiny
+    sizes are not multiples of 16) are FP8 with their scales, everything else is
+    ``save_pretrained``'s, and config.json is ``save_pretrained``'s with the quantization_config,
+    naming modules only where projections are kept."""
     model = build_family_model(family, dtype=torch.bfloat16)
     reference = save_family_model(model, tmp_path / "reference", SHARD)
-    hp_dcp_hf.save_hf_checkpoint(model, tmp_path / "ours", quantize=BLOCK16, max_shard_size=SHARD)
-    assert assert_fp8_of(tmp_path / "ours", reference, (16, 16))
+    block = (16, 16) if ceil_grids else (4, 4)  # 4 x 4: some projections whole blocks, some not
+    quantize = {"quant_method": "fp8", "weight_block_size": list(block)}
+    hp_dcp_hf.save_hf_checkpoint(model, tmp_path / "ours", quantize=CeilGrids(quantize) if ceil_grids else quantize,
+                                 max_shard_size=SHARD)
+    quantized = assert_fp8_of(tmp_path / "ours", reference, block, ceil_grids)
+    assert quantized
     config = json.loads((tmp_path / "ours" / "config.json").read_text())
-    assert config.pop("quantization_config") == {
-        "activation_scheme": "dynamic", "dequantize": False, "expert_dtype": "fp8", "modules_to_convert": None,
-        "modules_to_not_convert": None, "quant_method": "fp8", "scale_fmt": "float", "weight_block_size": [16, 16]}
+    written = config.pop("quantization_config")
+    skipped = written.pop("modules_to_not_convert")
+    assert written == {"activation_scheme": "dynamic", "dequantize": False, "expert_dtype": "fp8",
+                       "modules_to_convert": None, "quant_method": "fp8", "scale_fmt": "float",
+                       "weight_block_size": list(block)}
+    kept = {k for k, v in tensors(reference).items() if is_projection(k, v)} - quantized
+    assert (skipped is None) == (not kept)  # named only where a projection is kept
     assert config == json.loads((reference / "config.json").read_text())
 
 
 @pytest.mark.parametrize("block", [(16, 16), (128, 128)], ids=["16x16", "default"])
 def test_fp8_save_is_save_pretrained_of_transformers_fp8_model(block, tmp_path):
-    """Same files, keys, bits, index (``total_parameters`` counts the scales, as the FP8 model's
-    parameters) and config.json as ``save_pretrained`` of transformers' FP8 model; transformers'
-    ``from_pretrained`` loads it (dequantizing, on CPU) to exactly what hp-dcp-hf loads from it."""
+    """Whole blocks everywhere: same files, keys, bits, index (``total_parameters`` counts the
+    scales, as the FP8 model's parameters) and config.json as ``save_pretrained`` of transformers'
+    FP8 model built from the config (:func:`assembled_fp8_model`); transformers' ``from_pretrained``
+    loads it (dequantizing, on CPU) to exactly what
+    hp-dcp-hf loads from it."""
     from transformers.utils.quantization_config import FineGrainedFP8Config
 
     sizes = DIVISIBLE if block == (16, 16) else {"hidden_size": 256, "intermediate_size": 384, "head_dim": 64,
@@ -202,7 +305,7 @@ def test_fp8_save_is_save_pretrained_of_transformers_fp8_model(block, tmp_path):
     model = llama(**sizes)
     quantize = FineGrainedFP8Config(weight_block_size=block) if block == (16, 16) else "fp8"
     shard = SHARD if block == (16, 16) else "200KB"  # several files
-    transformers_fp8_model(model, fp8_config(quantize)).save_pretrained(tmp_path / "theirs", max_shard_size=shard)
+    assembled_fp8_model(model, fp8_config(quantize)).save_pretrained(tmp_path / "theirs", max_shard_size=shard)
     hp_dcp_hf.save_hf_checkpoint(model, tmp_path / "ours", quantize=quantize, max_shard_size=shard)
     assert_same_checkpoint(tmp_path / "ours", tmp_path / "theirs")
     assert len(list((tmp_path / "ours").glob("*.safetensors"))) > 1
@@ -215,15 +318,17 @@ def test_fp8_save_is_save_pretrained_of_transformers_fp8_model(block, tmp_path):
         assert value.dtype == torch.bfloat16 and torch.equal(value, expected) and torch.equal(ours.state_dict()[key], value)
 
 
-@pytest.mark.parametrize("family, quantize", [("llama", BLOCK16), ("llama", "fp8"), ("qwen3_moe", BLOCK16),
-                                              ("deepseek_v3", BLOCK16)], ids=["llama", "llama-128", "qwen3_moe",
-                                                                              "deepseek_v3"])
-def test_loaded_from_fp8_and_saved_back_is_byte_identical(family, quantize, tmp_path):
+@pytest.mark.parametrize("family, sizes, quantize", [
+    ("llama", None, CeilGrids(BLOCK16)), ("llama", MIXED, "fp8"), ("llama", MIXED, CeilGrids("fp8")),
+    ("qwen3_moe", None, CeilGrids(BLOCK16)), ("deepseek_v3", None, CeilGrids(BLOCK16))],
+    ids=["llama-ceil", "llama-mixed-128", "llama-mixed-128-ceil", "qwen3_moe-ceil", "deepseek_v3-ceil"])
+def test_loaded_from_fp8_and_saved_back_is_byte_identical(family, sizes, quantize, tmp_path):
     """quantize(dequantize(q, s)) is (q, s) with transformers' arithmetic, for weights a bf16 model
     held: loaded into bf16 (the config's dtype) and saved back, every file is the original's byte
-    for byte, config.json and the index too, but for the save id."""
-    hp_dcp_hf.save_hf_checkpoint(build_family_model(family, dtype=torch.bfloat16), tmp_path / "fp8",
-                                 quantize=quantize, max_shard_size=SHARD)
+    for byte, config.json and the index too, but for the save id; with kept weights (their modules
+    in ``modules_to_not_convert``) and with ceil grids alike."""
+    model = build_family_model(family, dtype=torch.bfloat16) if sizes is None else llama(**sizes)
+    hp_dcp_hf.save_hf_checkpoint(model, tmp_path / "fp8", quantize=quantize, max_shard_size=SHARD)
     loaded, _ = hp_dcp_hf.from_pretrained(str(tmp_path / "fp8"), model_cls=family_model_class(family))
     assert next(loaded.parameters()).dtype == torch.bfloat16
     writer = hp_dcp_hf.HFStorageWriter(tmp_path / "again", max_shard_size=SHARD)
@@ -239,10 +344,10 @@ def test_a_float32_model_quantizes_the_values_of_dtype(tmp_path):
     quantizes the bf16 values the checkpoint gave, so the save is byte-identical again (the float32
     values themselves would give scales an ulp off: amax = 448 * scale_inv is rounded once less)."""
     hp_dcp_hf.save_hf_checkpoint(build_family_model("llama", dtype=torch.bfloat16), tmp_path / "fp8",
-                                 quantize=BLOCK16, max_shard_size=SHARD)
+                                 quantize=CeilGrids(BLOCK16), max_shard_size=SHARD)
     loaded, _ = hp_dcp_hf.from_pretrained(str(tmp_path / "fp8"), model_cls=family_model_class("llama"),
                                           dtype=torch.float32)
-    hp_dcp_hf.save_hf_checkpoint(loaded, tmp_path / "again", quantize=BLOCK16, max_shard_size=SHARD,
+    hp_dcp_hf.save_hf_checkpoint(loaded, tmp_path / "again", quantize=CeilGrids(BLOCK16), max_shard_size=SHARD,
                                  dtype=torch.bfloat16)
     original, again = ({p.name: p.read_bytes() for p in (tmp_path / d).iterdir()} for d in ("fp8", "again"))
     assert anonymized(again) == anonymized(original)
@@ -257,7 +362,7 @@ def test_load_save_to_save_quantize_fp8(capsys, tmp_path):
     from hp_dcp_hf.quantize import FORMATS
 
     assert SAVE_QUANTIZE_CHOICES == FORMATS
-    model = llama(hidden_size=200, intermediate_size=260, head_dim=50)  # 128-blocks, partial ones
+    model = llama(**MIXED)  # FP8 attention, the MLP kept in bf16
     path = save_family_model(model, tmp_path / "bf16")
     hp_dcp_hf.save_hf_checkpoint(model, tmp_path / "api", quantize="fp8")
     assert math.prod(tensors(tmp_path / "api")["model.layers.0.self_attn.q_proj.weight_scale_inv"].shape) == 4
@@ -300,7 +405,7 @@ def test_models_fp8_cannot_come_from_are_argument_errors(tmp_path):
     with biases), quantize= beside a planner: each an ArgumentError, nothing written."""
     from hp_dcp_hf.save_planner import HFSavePlanner
 
-    fp8 = transformers_fp8_model(llama(**DIVISIBLE), fp8_config(BLOCK16))
+    fp8 = transformers_fp8_model(llama(**DIVISIBLE), fp8_config(BLOCK16), tmp_path / "bf16")
     cases = [
         (fp8, {}, "quantized already \\(its config has a quantization_config\\)"),
         (llama(**DIVISIBLE).to(FP8), {}, "quantized already \\(it holds model.embed_tokens.weight in torch.float8"),
