@@ -98,6 +98,20 @@ def assert_fp8_of(saved: Path, reference: Path, block: tuple[int, int], ceil_gri
     return quantized
 
 
+def assert_is_transformers_own(saved: Path, theirs: Path) -> tuple[set[str], set[str]]:
+    """Every tensor of transformers' own FP8 checkpoint at ``theirs`` is one of ``saved`` bit for bit,
+    the same weights FP8 and the same kept in the model's dtype, but for the scale it writes beside
+    each kept weight (its ``FP8Linear``'s, never initialized), which ``saved`` does not hold; the
+    FP8 keys and the kept projections, both there."""
+    ours, stored = tensors(saved), tensors(theirs)
+    fp8 = {k for k, v in ours.items() if v.dtype == FP8}
+    kept = {k for k, v in ours.items() if is_projection(k, v) and v.dtype != FP8}
+    assert fp8 and kept and {k for k, v in stored.items() if v.dtype == FP8} == fp8
+    assert set(stored) - set(ours) == {k.removesuffix("weight") + "weight_scale_inv" for k in kept}
+    assert not [k for k, v in ours.items() if v.dtype != stored[k].dtype or not torch.equal(bits(v), bits(stored[k]))]
+    return fp8, kept
+
+
 @contextlib.contextmanager
 def quantizing_on_cpu():
     """transformers' FP8 quantizer refuses to quantize on the fly without a GPU (its
@@ -232,13 +246,7 @@ def test_fp8_save_is_transformers_own_fp8_checkpoint(block, tmp_path):
     their_model = transformers_fp8_model(model, fp8_config(quantize), tmp_path / "bf16")
     their_model.save_pretrained(theirs := tmp_path / "theirs", max_shard_size="200KB")
     hp_dcp_hf.save_hf_checkpoint(model, tmp_path / "ours", quantize=quantize, max_shard_size="200KB")
-    ours, stored = tensors(tmp_path / "ours"), tensors(theirs)
-    fp8 = {k for k, v in ours.items() if v.dtype == FP8}
-    kept = {k for k, v in ours.items() if is_projection(k, v) and v.dtype != FP8}
-    assert fp8 and kept and {k for k, v in stored.items() if v.dtype == FP8} == fp8
-    assert set(stored) - set(ours) == {k.removesuffix("weight") + "weight_scale_inv" for k in kept}
-    assert not [k for k, v in ours.items() if v.dtype != stored[k].dtype or not torch.equal(bits(v), bits(stored[k]))]
-
+    fp8, kept = assert_is_transformers_own(tmp_path / "ours", theirs)
     config = json.loads((tmp_path / "ours" / "config.json").read_text())
     their_config = json.loads((theirs / "config.json").read_text())
     written = config.pop("quantization_config")
@@ -250,6 +258,8 @@ def test_fp8_save_is_transformers_own_fp8_checkpoint(block, tmp_path):
         skeleton = type(model)._from_config(model.config, dtype=torch.bfloat16)
     quantizer.preprocess_model(skeleton)
     assert {k for k, v in skeleton.state_dict().items() if v.dtype == FP8} == fp8
+    index = json.loads((tmp_path / "ours" / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["total_parameters"] == skeleton.num_parameters()  # no scales of kept weights
 
     loaded = type(model).from_pretrained(tmp_path / "ours").state_dict()
     their_state = their_model.state_dict()

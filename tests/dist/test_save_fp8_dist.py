@@ -1,6 +1,9 @@
 """FP8 saves on 4 and 2 gloo ranks: each rank quantizes and writes only its own boxes, and the
 files are byte for byte the ones one process writes (which are transformers' ``Fp8Quantize`` of the
 full tensors: ``tests/test_save_fp8.py``), also where TP and FSDP borders fall inside scale blocks.
+A model whose projections are and are not whole blocks (of 128 x 128 and of 32 x 64) saves on
+every layout to transformers' own FP8 checkpoint of its weights (its kept weights in bf16); the
+others save with ``CeilGrids``, every projection FP8 on ceil grids.
 
 Every layout here splits blocks between ranks: FSDP2 rows of 10 or 11 inside 16-row blocks
 (``dp=4``), FSDP over TP with 128 x 128 blocks cut at row and column 100 (``dp=2,tp=2``; FSDP
@@ -20,17 +23,28 @@ import pytest
 import torch
 
 from hp_dcp_hf.launch import run_ranks
+from hp_dcp_hf.quantize import CeilGrids, fp8_config
 from tests.families import build_family_model, family_model_class, save_family_model
 from tests.test_save import SHARD, anonymized
-from tests.test_save_fp8 import BLOCK16, llama, tensors
+from tests.test_save_fp8 import (
+    BLOCK16,
+    MIXED,
+    assert_is_transformers_own,
+    llama,
+    tensors,
+    transformers_fp8_model,
+)
 
 LLAMA_128 = {"hidden_size": 200, "intermediate_size": 260, "head_dim": 50}  # TP/FSDP cuts at 100, 130
 MODELS = {  # checkpoint -> (model type, sizes, quantize)
-    "llama": ("llama", {}, BLOCK16),
-    "llama128": ("llama", LLAMA_128, "fp8"),
-    "qwen3_moe": ("qwen3_moe", None, BLOCK16),
-    "deepseek_v3": ("deepseek_v3", None, BLOCK16),
+    "llama": ("llama", {}, CeilGrids(BLOCK16)),
+    "llama128": ("llama", LLAMA_128, CeilGrids("fp8")),
+    "qwen3_moe": ("qwen3_moe", None, CeilGrids(BLOCK16)),
+    "deepseek_v3": ("deepseek_v3", None, CeilGrids(BLOCK16)),
+    "mixed": ("llama", MIXED, "fp8"),  # FSDP cuts rows 256 / 4 inside 128-blocks
+    "mixed32x64": ("llama", MIXED, {"quant_method": "fp8", "weight_block_size": [32, 64]}),
 }
+TRANSFORMERS_OWN = ("mixed", "mixed32x64")  # checkpoints compared with transformers' own FP8 one too
 CASES = {  # name -> (checkpoint, mesh, transforms); "-fp8": load the FP8 checkpoint one process saved
     "llama-dp4": ("llama", "dp=4", ()),
     "llama128-dp2tp2": ("llama128", "dp=2,tp=2", ()),
@@ -38,9 +52,12 @@ CASES = {  # name -> (checkpoint, mesh, transforms); "-fp8": load the FP8 checkp
     "qwen3_moe-dp2tp2": ("qwen3_moe", "dp=2,tp=2", ()),
     "deepseek_v3-tp4": ("deepseek_v3", "tp=4", ()),
     "llama-fp8-dp2tp2": ("llama-fp8", "dp=2,tp=2", ()),
+    "mixed-dp4": ("mixed", "dp=4", ()),
+    "mixed32x64-dp2tp2": ("mixed32x64", "dp=2,tp=2", ()),
 }
-CASES_2 = {  # one case: a world's start costs more than its saves (the suite's time)
+CASES_2 = {  # few cases: a world's start costs more than its saves (the suite's time)
     "llama128-dp2": ("llama128", "dp=2", ()),
+    "mixed32x64-dp2": ("mixed32x64", "dp=2", ()),  # rows 352 / 2 inside 32-blocks
 }
 
 
@@ -83,7 +100,8 @@ def _save(rank: int, world: int, cases: dict, paths: dict, out: str) -> dict:
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """Each model's bf16 checkpoint (save_pretrained's), and its FP8 save in one process."""
+    """Each model's bf16 checkpoint (save_pretrained's), its FP8 save in one process and, for
+    :data:`TRANSFORMERS_OWN`, transformers' own FP8 checkpoint of it."""
     from hp_dcp_hf import save_hf_checkpoint
 
     root = tmp_path_factory.mktemp("save-fp8-dist")
@@ -93,6 +111,10 @@ def checkpoints(tmp_path_factory):
         paths[checkpoint] = str(save_family_model(model, root / checkpoint, SHARD))
         save_hf_checkpoint(model, root / f"{checkpoint}-fp8", quantize=quantize, max_shard_size=SHARD)
         paths[f"{checkpoint}-fp8"] = str(root / f"{checkpoint}-fp8")
+        if checkpoint in TRANSFORMERS_OWN:
+            transformers_fp8_model(model, fp8_config(quantize), root / f"{checkpoint}-bf16").save_pretrained(
+                root / f"{checkpoint}-transformers")
+            assert_is_transformers_own(root / f"{checkpoint}-fp8", root / f"{checkpoint}-transformers")  # 1 process
     return root, paths
 
 
@@ -116,6 +138,8 @@ def _check(root, out: str, cases: dict, per_rank: list[dict]) -> None:
     for name, (checkpoint, _, _) in cases.items():
         expected = root / f"{checkpoint.removesuffix('-fp8')}-fp8"
         assert _files(root / out / name) == _files(expected), name
+        if checkpoint in TRANSFORMERS_OWN:
+            assert_is_transformers_own(root / out / name, root / f"{checkpoint}-transformers")
         written = [r[name]["written"] for r in per_rank]
         assert written == [r[name]["planned"] for r in per_rank], name
         assert sum(written) == sum(v.numel() * v.element_size() for v in tensors(expected).values()), name  # once
