@@ -78,7 +78,7 @@ def whole_blocks(shape: Sequence[int], block: Sequence[int]) -> bool:
 
 def fp8_config(quantize: Quantize) -> Any:
     """The ``FineGrainedFP8Config`` that ``quantize`` names (``"fp8"``: transformers' defaults,
-    128 x 128 blocks). What this save cannot write is an :class:`ArgumentError`: another format,
+    128 x 128 blocks; a :class:`CeilGrids`: its ``quantize``'s). What this save cannot write is an :class:`ArgumentError`: another format,
     activation scales (``static``: they need calibration), power-of-two ``ue8m0`` scales, FP4
     experts, embeddings to convert, or per-tensor scales (no ``weight_block_size``)."""
     from transformers.utils.quantization_config import FineGrainedFP8Config
