@@ -3,7 +3,7 @@
     hp-dcp-hf inspect PATH [--tensors] [--match REGEX] [--json]
     hp-dcp-hf plan PATH --mesh dp=2,tp=2 [--transforms fuse_qkv,...] [--items] [--json]
     torchrun --nproc-per-node 4 -m hp_dcp_hf load PATH --mesh dp=2,tp=2 [--forward] [--json]
-    hp-dcp-hf repair PATH
+    hp-dcp-hf repair PATH [--dry-run]
     hp-dcp-hf demo [--out DIR] [--cache-dir DIR]
 
 Every command that takes a checkpoint PATH takes ``--storage-option KEY=VALUE`` (repeatable): the
@@ -246,6 +246,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print(f"quantized  {quantized['format']}: {quantized['weights']} weights ({fmt_bytes(quantized['weight_bytes'])}) "
               f"with their scales ({fmt_bytes(quantized['scale_bytes'])}); a floating-point model gets their values")
     print(f"index      {_index_line(info)}")
+    unfinished = info["unfinished_save"]
+    if unfinished:
+        print("unfinished a save is running or was interrupted: "
+              + ", ".join(f"{i['kind']} {i['name']} ({fmt_bytes(i['bytes'])})" for i in unfinished["items"]))
+        print(f"repair     hp-dcp-hf repair {info['path']}: {unfinished['repair']}")
     if listed and (args.tensors or args.match):
         print(table(("tensor", "dtype", "shape", "file", "bytes"),
                     [(t["name"], t["dtype"], str(t["shape"]), t.get("file") or f"{len(t['chunks'])} chunks",
@@ -553,7 +558,7 @@ def _save_dtype(choice: str, entries: Any, quantized: bool = False) -> Any:
 def cmd_repair(args: argparse.Namespace) -> int:
     from hp_dcp_hf.storage.write.writer import destination_for
 
-    print(f"{args.path}: {destination_for(args.path, args.storage_options).repair()}")
+    print(f"{args.path}: {destination_for(args.path, args.storage_options).repair(dry_run=args.dry_run)}")
     return 0
 
 
@@ -674,9 +679,11 @@ def build_parser() -> argparse.ArgumentParser:
                                              "repeatable (default: those of --storage-option)")
     p.set_defaults(func=cmd_load)
 
-    p = command("repair", "finish a save that was killed while publishing, drop what killed saves left")
+    p = command("repair", "finish a save that was killed while publishing (its journal is the commit point), "
+                          "drop what saves killed before it left")
     p.add_argument("path", help="a checkpoint directory or s3:// prefix that saves write to")
     storage_option(p)
+    p.add_argument("--dry-run", action="store_true", help="say what repair would do, change nothing")
     p.set_defaults(func=cmd_repair)
 
     p = command("demo", "generate a small MoE checkpoint and load it on 4 ranks")
