@@ -458,7 +458,8 @@ def _load(args: argparse.Namespace, rank: int, world: int) -> int:
 
             save_dtype = _save_dtype(args.save_dtype, reader.entries.values(), quantized=args.save_quantize is not None)
             save_options = args.storage_options if args.save_storage_options is None else args.save_storage_options
-            writer = HFStorageWriter(args.save_to, max_shard_size=args.max_shard_size, dtype=save_dtype,
+            max_shard_size = args.max_shard_size or _source_shard_size(reader.entries.values(), save_dtype)
+            writer = HFStorageWriter(args.save_to, max_shard_size=max_shard_size, dtype=save_dtype,
                                      progress=SaveProgress() if rank == 0 else None, **save_options)
             start = time.perf_counter()
             save_hf_checkpoint(model, args.save_to, writer=writer, quantize=args.save_quantize)
@@ -530,6 +531,19 @@ def _say_once(error: Exception, rank: int) -> None:
     error.reported = True  # type: ignore[attr-defined]
     with contextlib.suppress(Exception):  # a process group broken by the failure: nothing to wait for
         dist.barrier()
+
+
+def _source_shard_size(entries: Any, dtype: Any) -> int | None:
+    """``--save-to``'s default ``max_shard_size``: the source's layout, its files holding the same
+    tensors (each file's tensor bytes counted in the dtype the save writes)."""
+    from hp_dcp_hf.storage.format.files import source_shard_size
+
+    file_bytes: dict[str, int] = {}
+    for entry in entries:
+        itemsize = dtype.itemsize if dtype is not None and entry.dtype.is_floating_point else entry.dtype.itemsize
+        for part in entry.parts:
+            file_bytes[part.file] = file_bytes.get(part.file, 0) + part.nbytes // entry.dtype.itemsize * itemsize
+    return source_shard_size(file_bytes)
 
 
 def _save_dtype(choice: str, entries: Any, quantized: bool = False) -> Any:
@@ -667,7 +681,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="then save the loaded model to DIR as a Hugging Face checkpoint (one parallel write pass, "
                         "published atomically)")
     p.add_argument("--max-shard-size", default=None,
-                   help="with --save-to: the file size limit (default: save_pretrained's)")
+                   help="with --save-to: the file size limit (default: the source's layout, its largest file's "
+                        "tensor bytes: the same files with the same tensors; one file stays one)")
     p.add_argument("--save-dtype", default="checkpoint", choices=("checkpoint", "model", *DTYPE_CHOICES[1:]),
                    help="with --save-to: checkpoint writes the checkpoint's floating-point dtype (a bf16 "
                         "checkpoint saves back byte for byte), model the model's (--dtype)")

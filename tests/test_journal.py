@@ -127,11 +127,13 @@ def test_a_directory_commits_only_from_the_save_s_staging(tmp_path):
 
 
 def test_the_journal_round_trips_and_refuses_what_is_not_one():
-    journal = Journal(SAVE_ID, (Step("commit", "a"), Step("write", "b", "text"), Step("remove", "c")), {"a": "x/a"})
+    journal = Journal(SAVE_ID, (Step("commit", "a"), Step("write", "b", "text"), Step("remove", "c"),
+                                Step("copy", "d", source="a"), Step("drop", "a")), {"a": "x/a"})
     assert Journal.from_json(journal.to_json()) == journal
     for raw in (b"", b"[]", b'{"save_id": "x"}', b'{"save_id": "x", "steps": [{"op": "rm", "name": "a"}], "staged": {}}',
                 b'{"save_id": "x", "steps": [{"op": "remove", "name": "../a"}], "staged": {}}',
-                b'{"save_id": "x", "steps": [{"op": "commit", "name": "a"}], "staged": {}}'):
+                b'{"save_id": "x", "steps": [{"op": "commit", "name": "a"}], "staged": {}}',
+                b'{"save_id": "x", "steps": [{"op": "copy", "name": "a", "source": "b"}], "staged": {}}'):
         with pytest.raises(CheckpointFormatError, match="journal"):
             Journal.from_json(raw)
 
