@@ -16,7 +16,6 @@ import warnings
 from pathlib import Path
 
 import pytest
-import torch
 
 import hp_dcp_hf
 from hp_dcp_hf.cli import main
