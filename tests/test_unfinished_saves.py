@@ -122,12 +122,12 @@ def test_a_save_killed_while_writing_is_named_and_repair_drops_its_staging(tmp_p
     (line,) = load_warnings(path)["load_hf_checkpoint"]
     assert f"staged files ({staging})" in line and JOURNAL_FILE not in line
     out = cli(capsys, "inspect", str(path))
-    assert f"staging {staging} (" in out and "would drop what saves that died before writing a journal" in out
+    assert f"staging {staging} (" in out and "would drop staged data no journal publishes" in out
     dry = cli(capsys, "repair", str(path), "--dry-run")
-    assert f"would drop what saves that died before writing a journal staged (never published): {staging} (" in dry
+    assert f"would drop staged data no journal publishes (a save killed before writing its journal published nothing): {staging} (" in dry
     assert f"{size} B)" in dry or "MiB)" in dry
     done = cli(capsys, "repair", str(path))
-    assert f"dropped what saves that died before writing a journal staged (never published): {staging}" in done
+    assert f"dropped staged data no journal publishes (a save killed before writing its journal published nothing): {staging}" in done
     assert {p.name: p.read_bytes() for p in path.iterdir()} == before  # the old checkpoint, exactly
 
 

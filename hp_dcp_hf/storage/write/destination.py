@@ -150,7 +150,7 @@ class Destination(ABC):
         self.unlock()  # an earlier save through this destination that failed (DCP says nothing to a writer then)
         self.lock(save_id)
         try:
-            self.recover()
+            self.recover(describe=False)
             names = final_names([f.name for f in files], self.list_names(), save_id)
             return Staged(save_id, names, self.stage_files(files, names, save_id))
         except BaseException:
@@ -214,14 +214,15 @@ class Destination(ABC):
         finally:
             self.unlock()
 
-    def recover(self, *, dry_run: bool = False, stale_lock: bool = False) -> str:
+    def recover(self, *, dry_run: bool = False, stale_lock: bool = False, describe: bool = True) -> str:
         """With the lock held (no save runs here): roll a journaled publish forward, drop the rest.
         The journal is the commit point: a save whose journal was written is committed and completed,
-        though ``save_hf_checkpoint`` never returned; a save without one published nothing."""
+        though ``save_hf_checkpoint`` never returned; a save without one published nothing.
+        ``describe``: name what is dropped, with sizes (a save's own recovery skips those requests)."""
         def did(verb: str) -> str:
             return f"would {verb}" if dry_run else {"drop": "dropped", "complete": "completed"}[verb]
 
-        found = self.leftovers()
+        found = self.leftovers() if describe else []
         raw = self.read_bytes(JOURNAL_FILE)
         done: list[str] = []
         consumed: set[str] = set()  # the staging a roll-forward publishes
@@ -249,8 +250,8 @@ class Destination(ABC):
         if not dry_run:
             self.drop_abandoned()
         if dropped:
-            done.append(f"{did('drop')} what saves that died before writing a journal staged (never published): "
-                        + ", ".join(item.describe() for item in dropped))
+            done.append(f"{did('drop')} staged data no journal publishes (a save killed before writing its journal "
+                        "published nothing): " + ", ".join(item.describe() for item in dropped))
         if dry_run and any(item.kind == "lock" for item in found):
             done.append("would remove the lock, unless a save holds it (then repair refuses, naming it)")
         elif stale_lock:
