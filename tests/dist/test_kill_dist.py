@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import re
 import shutil
 import signal
 import tempfile
@@ -179,6 +180,7 @@ def check_after_kill(place: Place, path: str, states, recover_by: str, zygote: Z
         exits, results, _ = zygote.start(path, NEW, options=place.options).wait()
         assert exits == [0, 0] and all(r["ok"] for r in results), results
     assert leftovers(place, path) == []
+    assert not [n for n in place.names(path) if re.fullmatch(r"model-[0-9a-f]{12}-.*", n)]  # save_pretrained's names
     expected = "new" if journaled or recover_by == "save" else ours
     assert seen(place, path, states) == (expected, expected)
     return {"before": ours, "journaled": journaled}

@@ -90,13 +90,15 @@ boxes, where ranged reads cost a call per row."""
 def unfinished_save(location: CheckpointLocation) -> list[str]:
     """What a running or dead save left in the checkpoint's directory (its journal, lock, staging),
     by name; seen in a listing that costs no request: the local directory's, or on S3 the one
-    s3fs cached when the scan listed the prefix. Saves go to local directories and S3 only."""
+    s3fs cached when the scan listed the prefix (read from its cache, never asked for). Saves go
+    to local directories and S3 only."""
     backend = location.backend
     with contextlib.suppress(OSError, ValueError):
         if isinstance(backend, FsspecBackend) and backend.local:
             return leftovers(os.listdir(location.root))
-        if isinstance(backend, S3Backend):
-            return leftovers(path.rstrip("/").rsplit("/", 1)[-1] for path in backend.fs.ls(location.root, detail=False))
+        if isinstance(backend, S3Backend):  # never a request: without s3fs's listings cache, no check
+            listed = backend.fs.dircache.get(location.root.rstrip("/")) or []
+            return leftovers(entry["name"].rstrip("/").rsplit("/", 1)[-1] for entry in listed)
     return []
 
 
