@@ -3,7 +3,7 @@
     hp-dcp-hf inspect PATH [--tensors] [--match REGEX] [--json]
     hp-dcp-hf plan PATH --mesh dp=2,tp=2 [--transforms fuse_qkv,...] [--items] [--json]
     torchrun --nproc-per-node 4 -m hp_dcp_hf load PATH --mesh dp=2,tp=2 [--forward] [--json]
-    hp-dcp-hf repair PATH
+    hp-dcp-hf repair PATH [--dry-run]
     hp-dcp-hf demo [--out DIR] [--cache-dir DIR]
 
 Every command that takes a checkpoint PATH takes ``--storage-option KEY=VALUE`` (repeatable): the
@@ -246,6 +246,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print(f"quantized  {quantized['format']}: {quantized['weights']} weights ({fmt_bytes(quantized['weight_bytes'])}) "
               f"with their scales ({fmt_bytes(quantized['scale_bytes'])}); a floating-point model gets their values")
     print(f"index      {_index_line(info)}")
+    unfinished = info["unfinished_save"]
+    if unfinished:
+        print("unfinished a save is running or was interrupted: "
+              + ", ".join(f"{i['kind']} {i['name']} ({fmt_bytes(i['bytes'])})" for i in unfinished["items"]))
+        print(f"repair     hp-dcp-hf repair {info['path']}: {unfinished['repair']}")
     if listed and (args.tensors or args.match):
         print(table(("tensor", "dtype", "shape", "file", "bytes"),
                     [(t["name"], t["dtype"], str(t["shape"]), t.get("file") or f"{len(t['chunks'])} chunks",
@@ -453,7 +458,8 @@ def _load(args: argparse.Namespace, rank: int, world: int) -> int:
 
             save_dtype = _save_dtype(args.save_dtype, reader.entries.values(), quantized=args.save_quantize is not None)
             save_options = args.storage_options if args.save_storage_options is None else args.save_storage_options
-            writer = HFStorageWriter(args.save_to, max_shard_size=args.max_shard_size, dtype=save_dtype,
+            max_shard_size = args.max_shard_size or _source_shard_size(reader.entries.values(), save_dtype)
+            writer = HFStorageWriter(args.save_to, max_shard_size=max_shard_size, dtype=save_dtype,
                                      progress=SaveProgress() if rank == 0 else None, **save_options)
             start = time.perf_counter()
             save_hf_checkpoint(model, args.save_to, writer=writer, quantize=args.save_quantize)
@@ -527,6 +533,19 @@ def _say_once(error: Exception, rank: int) -> None:
         dist.barrier()
 
 
+def _source_shard_size(entries: Any, dtype: Any) -> int | None:
+    """``--save-to``'s default ``max_shard_size``: the source's layout, its files holding the same
+    tensors (each file's tensor bytes counted in the dtype the save writes)."""
+    from hp_dcp_hf.storage.format.files import source_shard_size
+
+    file_bytes: dict[str, int] = {}
+    for entry in entries:
+        itemsize = dtype.itemsize if dtype is not None and entry.dtype.is_floating_point else entry.dtype.itemsize
+        for part in entry.parts:
+            file_bytes[part.file] = file_bytes.get(part.file, 0) + part.nbytes // entry.dtype.itemsize * itemsize
+    return source_shard_size(file_bytes)
+
+
 def _save_dtype(choice: str, entries: Any, quantized: bool = False) -> Any:
     """The dtype ``--save-to`` writes: ``checkpoint`` is the one floating-point dtype of the
     checkpoint's unquantized tensors (a bf16 checkpoint saves back as bf16 whatever ``--dtype``
@@ -553,7 +572,7 @@ def _save_dtype(choice: str, entries: Any, quantized: bool = False) -> Any:
 def cmd_repair(args: argparse.Namespace) -> int:
     from hp_dcp_hf.storage.write.writer import destination_for
 
-    print(f"{args.path}: {destination_for(args.path, args.storage_options).repair()}")
+    print(f"{args.path}: {destination_for(args.path, args.storage_options).repair(dry_run=args.dry_run)}")
     return 0
 
 
@@ -662,7 +681,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="then save the loaded model to DIR as a Hugging Face checkpoint (one parallel write pass, "
                         "published atomically)")
     p.add_argument("--max-shard-size", default=None,
-                   help="with --save-to: the file size limit (default: save_pretrained's)")
+                   help="with --save-to: the file size limit (default: the source's layout, its largest file's "
+                        "tensor bytes: the same files with the same tensors; one file stays one)")
     p.add_argument("--save-dtype", default="checkpoint", choices=("checkpoint", "model", *DTYPE_CHOICES[1:]),
                    help="with --save-to: checkpoint writes the checkpoint's floating-point dtype (a bf16 "
                         "checkpoint saves back byte for byte), model the model's (--dtype)")
@@ -674,9 +694,11 @@ def build_parser() -> argparse.ArgumentParser:
                                              "repeatable (default: those of --storage-option)")
     p.set_defaults(func=cmd_load)
 
-    p = command("repair", "finish a save that was killed while publishing, drop what killed saves left")
+    p = command("repair", "finish a save that was killed while publishing (its journal is the commit point), "
+                          "drop what saves killed before it left")
     p.add_argument("path", help="a checkpoint directory or s3:// prefix that saves write to")
     storage_option(p)
+    p.add_argument("--dry-run", action="store_true", help="say what repair would do, change nothing")
     p.set_defaults(func=cmd_repair)
 
     p = command("demo", "generate a small MoE checkpoint and load it on 4 ranks")

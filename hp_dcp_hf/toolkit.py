@@ -34,7 +34,8 @@ from hp_dcp_hf.model_dtype import AUTO, DtypeSpec, resolve_dtype
 from hp_dcp_hf.parallel.mesh import DENSE_DIMS, mesh_world_size, parse_mesh
 from hp_dcp_hf.storage import INDEX_FILE, HFStorageReader, ReadStats, filesystem, locate, scan
 from hp_dcp_hf.storage.format.catalog import QUANTIZATION_CONFIG, Catalog
-from hp_dcp_hf.storage.format.journal import SINGLE_FILE
+from hp_dcp_hf.storage.format.journal import SINGLE_FILE, leftovers_warning
+from hp_dcp_hf.storage.read.reader import unfinished_save
 from hp_dcp_hf.storage.transport.stats import FileStats
 
 if TYPE_CHECKING:
@@ -89,6 +90,8 @@ def inspect_checkpoint(path: str, storage_options: Mapping[str, Any] | None = No
     location, single = locate(*filesystem(path, storage_options))
     stats = ReadStats()
     catalog = scan(location, single, stats)  # raises on any index / header inconsistency
+    unfinished = unfinished_save_report(location.url(), storage_options) \
+        if single is None and unfinished_save(location) else None
     files: dict[str, dict[str, Any]] = {
         f: {"tensors": 0, "tensor_bytes": 0, "file_bytes": location.size(f),
             "header_bytes": stats.per_file.get(f, FileStats()).header_bytes} for f in catalog.files
@@ -147,8 +150,22 @@ def inspect_checkpoint(path: str, storage_options: Mapping[str, Any] | None = No
         },
         "config": config,
         "quantization": quantized,
+        "unfinished_save": unfinished,
         "tensor_list": tensor_list,
     }
+
+
+def unfinished_save_report(url: str, storage_options: Mapping[str, Any] | None) -> dict[str, Any]:
+    """What a running or dead save left at ``url`` (a directory or S3 prefix that saves write to),
+    each with its size, and what ``hp-dcp-hf repair PATH`` would do about it; warned in one line."""
+    import warnings
+
+    from hp_dcp_hf.storage.write.writer import destination_for
+
+    destination = destination_for(url, dict(storage_options or {}))
+    items = destination.leftovers()
+    warnings.warn(leftovers_warning(url, [item.name for item in items if item.kind != "upload"]), stacklevel=3)
+    return {"items": [item.to_json() for item in items], "repair": destination.repair(dry_run=True)}
 
 
 def _quantized_tensors(catalog: Catalog) -> dict[str, Any] | None:

@@ -34,7 +34,7 @@ def build_model(seed: int) -> Any:
     return build_family_model("llama", seed=seed)
 
 
-STEPS = ("lock", "recover", "stage_files", "write", "check_staged", "write_text", "commit", "remove",
+STEPS = ("lock", "recover", "stage_files", "write", "check_staged", "write_text", "commit", "copy", "remove",
          "after_publish", "unlock")
 """The destination calls a save makes that change the path (or guard it): the fault points."""
 

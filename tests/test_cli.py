@@ -624,6 +624,17 @@ def test_load_save_to_writes_the_checkpoint_back(capsys, llama, tmp_path):
     assert_same_checkpoint(tmp_path / "saved", llama.path)
 
 
+def test_load_save_to_keeps_the_source_s_layout(capsys, llama, tmp_path):
+    """Without ``--max-shard-size`` a sharded source comes back as the same files holding the same
+    tensors (save_pretrained's split at the source's largest file), not as one 50 GB-limit file."""
+    from tests.test_save import assert_same_checkpoint
+
+    assert len(list(llama.path.glob("*.safetensors"))) > 2
+    code, _, err = _run_cli(capsys, "load", str(llama.path), "--dtype", "float32", "--save-to", str(tmp_path / "saved"))
+    assert code == 0, err
+    assert_same_checkpoint(tmp_path / "saved", llama.path)
+
+
 def test_load_save_to_keeps_the_checkpoint_s_dtype(capsys, llama, tmp_path):
     """A bf16 checkpoint loaded into a float32 model saves back as bf16: every file's bytes are the
     checkpoint's but for the save id in the headers; ``--save-dtype model`` writes float32 and says

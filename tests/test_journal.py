@@ -8,6 +8,7 @@ and a reader goes as transformers does (``model.safetensors`` first, else the in
 
 from __future__ import annotations
 
+import json
 import os
 import warnings
 
@@ -54,15 +55,20 @@ def view(path: dict[str, tuple], config_owners: dict[str, str]) -> str:
     return owners.pop() if len(owners) == 1 else "a mix"
 
 
-def run(step: Step, path: dict[str, tuple], new_files: list[str]) -> None:
-    if step.op == "remove":
+def run(step: Step, path: dict[str, tuple]) -> None:
+    if step.op in ("remove", "drop"):
         path.pop(step.name, None)
-    elif step.op == "commit":
+    elif step.op in ("commit", "copy"):
         path[step.name] = ("new",)
     elif step.name == INDEX_FILE:
-        path[step.name] = ("new", tuple(new_files))
+        path[step.name] = ("new", tuple(sorted(set(json.loads(step.text)["weight_map"].values()))))
     else:
         path[step.name] = ("new", step.text)
+
+
+def index_of(names: list[str]) -> dict | None:
+    """An index mapping one key to each of ``names`` (save_pretrained's), None for one file."""
+    return None if names == [SINGLE_FILE] else {"metadata": {}, "weight_map": {f"k{i}": n for i, n in enumerate(names)}}
 
 
 @given(old_shards=st.one_of(st.none(), st.integers(0, 4)), new_shards=st.integers(0, 4),
@@ -71,15 +77,14 @@ def test_every_prefix_of_the_steps_is_the_old_or_the_new_checkpoint(old_shards, 
     path = old_path(old_shards)
     before = "old" if old_shards is not None else "none"
     names = final_names(shard_names(new_shards), set(path), SAVE_ID)
-    new_files = [names[n] for n in shard_names(new_shards)]
     extra = {"config.json": "config B" if config_changes else "config A"}
     texts = {name: text for name, (_, *rest) in path.items() if name == "config.json" for text in rest}
-    journal = plan_publish(SAVE_ID, new_files, "index" if new_shards else None, extra, set(path), texts,
-                           {name: f"staged/{name}" for name in new_files})
+    journal = plan_publish(SAVE_ID, names, index_of(shard_names(new_shards)), extra, set(path), texts,
+                           {name: f"staged/{name}" for name in names.values()})
     owners = {"config A": "old", "config B": "new"} if config_changes else {"config A": "any"}
     seen = [view(path, owners)]
     for step in journal.steps:
-        run(step, path, new_files)
+        run(step, path)
         seen.append(view(path, owners))
     assert seen[0] == before and seen[-1] == "new", (journal.steps, seen)
     assert "a mix" not in seen, (journal.steps, seen)
@@ -87,11 +92,11 @@ def test_every_prefix_of_the_steps_is_the_old_or_the_new_checkpoint(old_shards, 
         assert config_changes
     order = ["old", "none", "new"]
     assert seen == sorted(seen, key=order.index)  # never back
-    expected = set(new_files) | {"config.json"} | ({INDEX_FILE} if new_shards else set())
-    assert set(path) == expected  # the old checkpoint's files are gone, nothing else is left
+    expected = set(shard_names(new_shards)) | {"config.json"} | ({INDEX_FILE} if new_shards else set())
+    assert set(path) == expected  # save_pretrained's names; the old checkpoint's files are gone, nothing else left
 
 
-def test_names_are_save_pretrained_s_unless_the_old_checkpoint_holds_them():
+def test_names_are_committed_as_save_pretrained_s_unless_the_old_checkpoint_holds_them():
     shards = shard_names(3)
     assert final_names(shards, set(), SAVE_ID) == {n: n for n in shards}
     assert final_names(shards, set(shard_names(2)), SAVE_ID) == {n: n for n in shards}
@@ -103,10 +108,11 @@ def test_names_are_save_pretrained_s_unless_the_old_checkpoint_holds_them():
 def test_an_unchanged_config_is_not_rewritten_and_leaves_no_hole():
     path = old_path(2)
     names = final_names(shard_names(2), set(path), SAVE_ID)
-    journal = plan_publish(SAVE_ID, list(names.values()), "index", {"config.json": "config A"}, set(path),
+    journal = plan_publish(SAVE_ID, names, index_of(shard_names(2)), {"config.json": "config A"}, set(path),
                            {"config.json": "config A"}, {})
-    assert [s.op for s in journal.steps] == ["commit", "commit", "write", "remove", "remove"]
-    assert journal.steps[2].name == INDEX_FILE
+    assert [s.op for s in journal.steps] == ["commit", "commit", "write", "copy", "copy", "write", "drop", "drop"]
+    assert journal.steps[2].name == journal.steps[5].name == INDEX_FILE
+    assert [s.name for s in journal.steps if s.op == "copy"] == shard_names(2)  # over the old files, unnamed now
 
 
 def test_a_directory_commits_only_from_the_save_s_staging(tmp_path):
@@ -121,11 +127,13 @@ def test_a_directory_commits_only_from_the_save_s_staging(tmp_path):
 
 
 def test_the_journal_round_trips_and_refuses_what_is_not_one():
-    journal = Journal(SAVE_ID, (Step("commit", "a"), Step("write", "b", "text"), Step("remove", "c")), {"a": "x/a"})
+    journal = Journal(SAVE_ID, (Step("commit", "a"), Step("write", "b", "text"), Step("remove", "c"),
+                                Step("copy", "d", source="a"), Step("drop", "a")), {"a": "x/a"})
     assert Journal.from_json(journal.to_json()) == journal
     for raw in (b"", b"[]", b'{"save_id": "x"}', b'{"save_id": "x", "steps": [{"op": "rm", "name": "a"}], "staged": {}}',
                 b'{"save_id": "x", "steps": [{"op": "remove", "name": "../a"}], "staged": {}}',
-                b'{"save_id": "x", "steps": [{"op": "commit", "name": "a"}], "staged": {}}'):
+                b'{"save_id": "x", "steps": [{"op": "commit", "name": "a"}], "staged": {}}',
+                b'{"save_id": "x", "steps": [{"op": "copy", "name": "a", "source": "b"}], "staged": {}}'):
         with pytest.raises(CheckpointFormatError, match="journal"):
             Journal.from_json(raw)
 
@@ -158,7 +166,7 @@ def test_a_publish_cut_after_any_step_and_replayed_twice_is_whole(tmp_path, monk
             return real(self, *args, **kwargs)
         return step
 
-    for name in ("commit", "write_text", "remove"):  # the journal's write, then every step
+    for name in ("commit", "copy", "write_text", "remove"):  # the journal's write, then every step
         monkeypatch.setattr(Directory, name, counted(getattr(Directory, name)))
     monkeypatch.setattr(Destination, "abort", lambda self, staged: os.close(self._lock_fd))  # death: no cleanup
     save = {"max_shard_size": new_shard} if new_shard else {}

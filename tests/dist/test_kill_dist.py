@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import re
 import shutil
 import signal
 import tempfile
@@ -34,6 +35,7 @@ import hp_dcp_hf
 from hp_dcp_hf.errors import HPDCPHFError
 from hp_dcp_hf.storage.format.journal import JOURNAL_FILE
 from hp_dcp_hf.storage.write.writer import destination_for
+from hp_dcp_hf.toolkit import inspect_checkpoint
 from tests.families import family_model_class, save_family_model
 from tests.save_jobs import SHARD, Zygote, build_model
 from tests.servers.s3 import MotoS3
@@ -123,13 +125,17 @@ def which(state: dict[str, torch.Tensor], states: dict[str, dict[str, torch.Tens
     return found[0] if found else "a mix"
 
 
-def seen(place: Place, path: str, states) -> tuple[str, str]:
+def seen(place: Place, path: str, states, warned: list[str] | None = None) -> tuple[str, str]:
     """What the path loads as through hp-dcp-hf and through transformers: ``old``, ``new``, ``a
-    mix`` or the error that refused it."""
+    mix`` or the error that refused it; hp-dcp-hf's warnings naming repair go to ``warned``."""
     model = build_model(0)
     try:
-        hp_dcp_hf.load_hf_checkpoint(model, path, **place.options)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            hp_dcp_hf.load_hf_checkpoint(model, path, **place.options)
         ours = which(model.state_dict(), states)
+        if warned is not None:
+            warned += [str(w.message) for w in caught if "hp-dcp-hf repair" in str(w.message)]
     except HPDCPHFError as e:
         ours = f"refused: {type(e).__name__}"
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
@@ -147,17 +153,34 @@ def leftovers(place: Place, path: str) -> list[str]:
 
 
 def check_after_kill(place: Place, path: str, states, recover_by: str, zygote: Zygote) -> dict:
-    """The path is whole (old or new, both readers agree); recovery completes a journaled publish
-    and leaves nothing behind."""
-    ours, theirs = seen(place, path, states)
+    """The path is whole (old or new, both readers agree) and, while a killed save's journal, lock
+    or staging is visible there, the load and inspect warn naming repair and inspect lists them;
+    repair (``--dry-run`` first, which changes nothing) says what it rolls forward and drops;
+    recovery completes a journaled publish and leaves nothing behind."""
+    warned: list[str] = []
+    ours, theirs = seen(place, path, states, warned)
     assert ours in ("old", "new") and theirs == ours, (ours, theirs, place.names(path))
-    journaled = JOURNAL_FILE in place.names(path)
+    names = place.names(path)
+    journaled = JOURNAL_FILE in names
+    visible = [n for n in names if n.startswith(".hp-dcp-hf")]
+    assert len(warned) == bool(visible) and all(f"`hp-dcp-hf repair {path}`" in line for line in warned), warned
+    if visible:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            report = inspect_checkpoint(path, place.options)["unfinished_save"]
+        assert {i["name"] for i in report["items"]} >= set(visible), (report, visible)
+        assert ("would complete the publish" in report["repair"]) == journaled, report
     if recover_by == "repair":
-        destination_for(path, place.options).repair()
+        destination = destination_for(path, place.options)
+        dry = destination.repair(dry_run=True)
+        assert place.names(path) == names and ("would complete the publish" in dry) == journaled, dry
+        done = destination.repair()
+        assert ("completed the publish" in done and "commit point" in done) == journaled, done
     else:  # the next save into the path
         exits, results, _ = zygote.start(path, NEW, options=place.options).wait()
         assert exits == [0, 0] and all(r["ok"] for r in results), results
     assert leftovers(place, path) == []
+    assert not [n for n in place.names(path) if re.fullmatch(r"model-[0-9a-f]{12}-.*", n)]  # save_pretrained's names
     expected = "new" if journaled or recover_by == "save" else ours
     assert seen(place, path, states) == (expected, expected)
     return {"before": ours, "journaled": journaled}

@@ -62,6 +62,15 @@ def save_pretrained_max_shard_size() -> int | str:
     return inspect.signature(PreTrainedModel.save_pretrained).parameters["max_shard_size"].default
 
 
+def source_shard_size(file_bytes: Mapping[str, int]) -> int | None:
+    """The ``max_shard_size`` that splits a save of a checkpoint's tensors into the files it has
+    (``file_bytes``: each file's tensor bytes): its largest file's. ``save_pretrained``'s split is
+    greedy (a file closes when the next tensor would pass the limit), so with the limit that wrote
+    the source, or this one (no larger, and every source file fits), it closes each file where the
+    source's closed, for the same tensors in the same order. None for one file (the default keeps it one)."""
+    return max(file_bytes.values()) if len(file_bytes) > 1 else None
+
+
 def layout_file(name: str, specs: Mapping[str, tuple[torch.dtype, Sequence[int]]],
                 metadata: Mapping[str, str] | None = None) -> SavedFile:
     """File ``name`` holding ``specs`` (key -> (dtype, shape)), laid out as safetensors does;

@@ -18,6 +18,7 @@ file's dtype, cast and laid out a staging budget at a time.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -27,7 +28,7 @@ import struct
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -44,6 +45,7 @@ from hp_dcp_hf.storage.format.journal import (
     STAGING_PREFIX,
     Journal,
     final_names,
+    leftovers,
     plan_publish,
 )
 from hp_dcp_hf.storage.format.ranges import box_byte_ranges, box_span, split_box
@@ -95,6 +97,27 @@ def box_runs(write: BoxWrite, staging_bytes: int, window: tuple[int, int] | None
 
 
 @dataclass(frozen=True)
+class Leftover:
+    """Something a save leaves at its path while it runs, and after it died: its ``journal``, its
+    ``lock``, a ``staging`` directory or file, a pending ``upload`` (S3)."""
+
+    name: str
+    kind: Literal["journal", "lock", "staging", "upload"]
+    nbytes: int
+    handle: str = ""  # an upload's id
+
+    def describe(self) -> str:
+        return f"{self.name} ({self.nbytes / 2**20:.1f} MiB)" if self.nbytes >= 2**20 else f"{self.name} ({self.nbytes} B)"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "kind": self.kind, "bytes": self.nbytes}
+
+
+def leftover_kind(name: str) -> Literal["journal", "lock", "staging"]:
+    return "journal" if name == JOURNAL_FILE else "lock" if name == LOCK_FILE else "staging"
+
+
+@dataclass(frozen=True)
 class Staged:
     """A save being written: its id, the name each laid-out file gets at the path, and the
     backend's handle of each staged file (an upload id; nothing for a directory)."""
@@ -106,10 +129,6 @@ class Staged:
     def published_handles(self) -> dict[str, str]:
         """Each staged file's handle by the name it is published under (what a journal records)."""
         return {self.names[name]: handle for name, handle in self.handles.items()}
-
-
-def index_text(index: Mapping[str, Any]) -> str:
-    return json.dumps(index, indent=2, sort_keys=True) + "\n"
 
 
 def owner_text(save_id: str, **extra: Any) -> str:
@@ -131,7 +150,7 @@ class Destination(ABC):
         self.unlock()  # an earlier save through this destination that failed (DCP says nothing to a writer then)
         self.lock(save_id)
         try:
-            self.recover()
+            self.recover(describe=False)
             names = final_names([f.name for f in files], self.list_names(), save_id)
             return Staged(save_id, names, self.stage_files(files, names, save_id))
         except BaseException:
@@ -151,11 +170,8 @@ class Destination(ABC):
         :mod:`hp_dcp_hf.storage.format.journal`) and release the lock."""
         self.check_staged(staged, files)
         existing = self.list_names()
-        if index is not None:  # naming the files as published
-            index = {**index, "weight_map": {key: staged.names[name] for key, name in index["weight_map"].items()}}
-        journal = plan_publish(staged.save_id, [staged.names[f.name] for f in files],
-                               index_text(index) if index is not None else None, extra_files, existing,
-                               self.published_texts(extra_files, existing), staged.published_handles())
+        journal = plan_publish(staged.save_id, {f.name: staged.names[f.name] for f in files}, index, extra_files,
+                               existing, self.published_texts(extra_files, existing), staged.published_handles())
         self.carry_out(staged, journal)
 
     def published_texts(self, names: Iterable[str], existing: Collection[str]) -> dict[str, str]:
@@ -184,47 +200,77 @@ class Destination(ABC):
                 self.drop_staged(staged)
         self.unlock()
 
-    def repair(self) -> str:
-        """Finish an interrupted publish or drop a dead save's staged data; what was done, in words."""
+    def repair(self, *, dry_run: bool = False) -> str:
+        """Finish an interrupted publish and drop what dead saves left; what was done (with
+        ``dry_run``: what would be, changing nothing), in words."""
         if not self.list_names():
             return "nothing to repair"
+        if dry_run:
+            return self.recover(dry_run=True)
+        stale_lock = LOCK_FILE in self.list_names()  # taking it raises when a live save holds it
         self.lock("repair")
         try:
-            return self.recover()
+            return self.recover(stale_lock=stale_lock)
         finally:
             self.unlock()
 
-    def recover(self) -> str:
-        """With the lock held (no save runs here): roll a journaled publish forward, drop the rest."""
+    def recover(self, *, dry_run: bool = False, stale_lock: bool = False, describe: bool = True) -> str:
+        """With the lock held (no save runs here): roll a journaled publish forward, drop the rest.
+        The journal is the commit point: a save whose journal was written is committed and completed,
+        though ``save_hf_checkpoint`` never returned; a save without one published nothing.
+        ``describe``: name what is dropped, with sizes (a save's own recovery skips those requests)."""
+        def did(verb: str) -> str:
+            return f"would {verb}" if dry_run else {"drop": "dropped", "complete": "completed"}[verb]
+
+        found = self.leftovers() if describe else []
         raw = self.read_bytes(JOURNAL_FILE)
-        done = []
+        done: list[str] = []
+        consumed: set[str] = set()  # the staging a roll-forward publishes
         if raw is not None:
             journal = Journal.from_json(raw, file=self._url(JOURNAL_FILE))
             lost = self.lost_staging(journal)
             if lost and not self.published_any(journal):
-                self.remove(JOURNAL_FILE)  # its staged files are gone and nothing of it is visible: void
-                done.append(f"dropped the journal of save {journal.save_id}, whose staged files are gone")
+                if not dry_run:
+                    self.remove(JOURNAL_FILE)  # its staged files are gone and nothing of it is visible: void
+                done.append(f"{did('drop')} the journal of save {journal.save_id}, whose staged files are gone "
+                            "(nothing of it was published)")
             elif lost:
                 raise CheckpointFormatError(f"the journal of save {journal.save_id} commits {lost}, but neither "
                                             "their staged copies nor files of that save exist",
                                             file=self._url(JOURNAL_FILE))
             else:
-                self.roll_forward(journal, replay=True)
-                done.append(f"completed the publish of save {journal.save_id}")
-        dropped = self.drop_abandoned()
+                if not dry_run:
+                    self.roll_forward(journal, replay=True)
+                consumed = {f"{STAGING_PREFIX}{journal.save_id}", *journal.staged.values()}
+                done.append(f"{did('complete')} the publish of save {journal.save_id} ({journal.describe()}): its "
+                            "journal is the commit point, so a save whose journal was written is committed even "
+                            "though save_hf_checkpoint never returned")
+        dropped = [item for item in found if item.kind in ("staging", "upload")
+                   and item.name not in consumed and item.handle not in consumed]
+        if not dry_run:
+            self.drop_abandoned()
         if dropped:
-            done.append(f"removed {dropped} abandoned staging item(s)")
+            done.append(f"{did('drop')} staged data no journal publishes (a save killed before writing its journal "
+                        "published nothing): " + ", ".join(item.describe() for item in dropped))
+        if dry_run and any(item.kind == "lock" for item in found):
+            done.append("would remove the lock, unless a save holds it (then repair refuses, naming it)")
+        elif stale_lock:
+            done.append("removed the lock a dead save left")
         return "; ".join(done) or "nothing to repair"
 
     def roll_forward(self, journal: Journal, *, replay: bool = False) -> None:
         """Carry out every step of ``journal``, then drop the journal. A ``replay`` (of a publish
-        that may have run some steps) skips the commits and removals of files that already carry
-        the journal's save id: it never removes its own save's entry file, written already."""
-        for step in journal.steps:
-            if replay and step.op != "write" and self.save_id_of(step.name) == journal.save_id:
+        that may have run some steps) skips the steps it finds done: commits and copies whose file
+        carries the journal's save id (or whose copy does), removals of such files (it never removes
+        its own save's entry file, written already), and writes a later write of the same file
+        superseded (the first index, once the second one is in place)."""
+        for i, step in enumerate(journal.steps):
+            if replay and self.done(journal, i):
                 continue
             if step.op == "commit":
                 self.commit(journal, step.name)
+            elif step.op == "copy":
+                self.copy(journal, step.name, step.source or "")
             elif step.op == "write":
                 self.write_text(step.name, step.text or "")
             else:
@@ -232,14 +278,27 @@ class Destination(ABC):
         self.after_publish(journal)
         self.remove(JOURNAL_FILE)
 
+    def done(self, journal: Journal, i: int) -> bool:
+        """Whether a replay finds step ``i`` of ``journal`` done already (see :meth:`roll_forward`)."""
+        step = journal.steps[i]
+        if step.op == "drop":
+            return False
+        if step.op == "write":
+            later = {s.text for s in journal.steps[i + 1:] if s.op == "write" and s.name == step.name}
+            return bool(later) and (self.read_bytes(step.name) or b"").decode(errors="replace") in later
+        ours = self.save_id_of(step.name) == journal.save_id
+        copy = journal.copies().get(step.name)
+        return ours or (step.op == "commit" and copy is not None and self.save_id_of(copy) == journal.save_id)
+
     def lost_staging(self, journal: Journal) -> list[str]:
         """The files ``journal`` commits that are neither staged nor published (by its save)."""
+        copies = journal.copies()
         return [s.name for s in journal.steps if s.op == "commit" and not self.is_staged(journal, s.name)
-                and self.save_id_of(s.name) != journal.save_id]
+                and journal.save_id not in (self.save_id_of(s.name), self.save_id_of(copies.get(s.name, s.name)))]
 
     def published_any(self, journal: Journal) -> bool:
         """Whether any file of ``journal``'s save is visible at the path."""
-        names = [s.name for s in journal.steps if s.op == "commit"] + [INDEX_FILE]
+        names = [s.name for s in journal.steps if s.op in ("commit", "copy")] + [INDEX_FILE]
         return any(self.save_id_of(name) == journal.save_id for name in names)
 
     def save_id_of(self, name: str) -> str | None:
@@ -301,12 +360,20 @@ class Destination(ABC):
         """Make staged file ``name`` visible at its name, atomically."""
 
     @abstractmethod
+    def copy(self, journal: Journal, name: str, source: str) -> None:
+        """Make ``name`` a copy of published file ``source`` (whose name no index will keep), atomically."""
+
+    @abstractmethod
     def is_staged(self, journal: Journal, name: str) -> bool:
         """Whether the staged copy of ``name`` is still there to commit."""
 
     @abstractmethod
     def drop_staged(self, staged: Staged) -> None:
         """Drop what :meth:`stage_files` made for ``staged``."""
+
+    @abstractmethod
+    def leftovers(self) -> list[Leftover]:
+        """What running or dead saves left at the path (journal, lock, staging), with their sizes."""
 
     @abstractmethod
     def drop_abandoned(self) -> int:
@@ -467,11 +534,38 @@ class Directory(Destination):
         os.replace(self._staged_path(journal, name), self._path(name))
         self._sync_directory()
 
+    def copy(self, journal: Journal, name: str, source: str) -> None:
+        """A hard link to ``source`` renamed over ``name`` (the bytes are not copied); a copy where
+        the file system has no hard links."""
+        temporary = self._path(f"{STAGING_PREFIX}{name}")
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(temporary)
+        try:
+            os.link(self._path(source), temporary)
+        except OSError as e:
+            if e.errno not in (errno.EPERM, errno.EXDEV, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
+                raise
+            shutil.copyfile(self._path(source), temporary)
+            with open(temporary, "rb+") as handle:
+                os.fsync(handle.fileno())
+        os.replace(temporary, self._path(name))
+        self._sync_directory()
+
     def is_staged(self, journal: Journal, name: str) -> bool:
         return os.path.isfile(self._staged_path(journal, name))
 
     def drop_staged(self, staged: Staged) -> None:
         shutil.rmtree(self._path(f"{STAGING_PREFIX}{staged.save_id}"), ignore_errors=True)
+
+    def leftovers(self) -> list[Leftover]:
+        found = []
+        for name in leftovers(self.list_names()):
+            path = self._path(name)
+            with contextlib.suppress(FileNotFoundError):
+                size = os.path.getsize(path) if not os.path.isdir(path) else sum(
+                    os.path.getsize(os.path.join(top, f)) for top, _, files in os.walk(path) for f in files)
+                found.append(Leftover(name, leftover_kind(name), size))
+        return found
 
     def drop_abandoned(self) -> int:
         dropped = [name for name in self.list_names() if name.startswith(STAGING_PREFIX)]

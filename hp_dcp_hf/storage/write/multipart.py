@@ -40,8 +40,16 @@ import torch.distributed as dist
 from hp_dcp_hf.errors import HPDCPHFError, StorageWriteError
 from hp_dcp_hf.parallel.collectives import agree_on_failure, should_broadcast
 from hp_dcp_hf.storage.format.files import SavedFile
-from hp_dcp_hf.storage.format.journal import LOCK_FILE, WEIGHT_FILE, Journal
-from hp_dcp_hf.storage.write.destination import BoxWrite, Destination, Staged, box_runs, owner_text
+from hp_dcp_hf.storage.format.journal import LOCK_FILE, WEIGHT_FILE, Journal, leftovers
+from hp_dcp_hf.storage.write.destination import (
+    BoxWrite,
+    Destination,
+    Leftover,
+    Staged,
+    box_runs,
+    leftover_kind,
+    owner_text,
+)
 from hp_dcp_hf.storage.write.parts import Part, file_parts, part_size, rounds
 
 DEFAULT_PART_BYTES = 16 * 2**20
@@ -49,6 +57,10 @@ DEFAULT_PART_BYTES = 16 * 2**20
 the staging budget (one part assembling, :data:`UPLOADS_IN_FLIGHT` uploading)."""
 
 UPLOADS_IN_FLIGHT = 2
+COPY_PART_BYTES = 512 * 2**20
+"""Part size of the server-side copies that give a save over a checkpoint of the same names
+``save_pretrained``'s names back (S3 allows 5 MiB to 5 GiB)."""
+COPIES_IN_FLIGHT = 8
 LEASE_SECONDS = 120.0
 """How long a save's lease lasts unrenewed: a save killed on another host blocks the next save
 into its prefix this long (on the same host, a dead process's lease is taken over at once)."""
@@ -141,6 +153,31 @@ class MultipartUploads(Destination):
         self._call("complete_multipart_upload", name, UploadId=journal.staged[name], MultipartUpload={
             "Parts": [{"PartNumber": p["PartNumber"], "ETag": p["ETag"]} for p in listed]})
 
+    def copy(self, journal: Journal, name: str, source: str) -> None:
+        """A server-side copy of ``source`` to ``name``: one multipart upload whose parts
+        (:data:`COPY_PART_BYTES` each, :data:`COPIES_IN_FLIGHT` at once) S3 copies itself, so no
+        byte travels through this host; completed at once (a kill leaves a pending upload, aborted
+        by the next save or repair)."""
+        size = int(self._call("head_object", source)["ContentLength"])
+        bucket, key, _ = self.fs.split_path(f"{self.root}/{source}")
+        upload = self._call("create_multipart_upload", name)["UploadId"]
+        ranges = [(start, min(size, start + COPY_PART_BYTES) - 1) for start in range(0, size, COPY_PART_BYTES)]
+
+        def copy_part(number: int) -> dict[str, Any]:
+            start, end = ranges[number - 1]
+            answer = self._call("upload_part_copy", name, UploadId=upload, PartNumber=number,
+                                CopySource={"Bucket": bucket, "Key": key}, CopySourceRange=f"bytes={start}-{end}")
+            return {"PartNumber": number, "ETag": answer["CopyPartResult"]["ETag"]}
+
+        try:
+            with ThreadPoolExecutor(COPIES_IN_FLIGHT, thread_name_prefix="hp-dcp-hf-copy") as pool:
+                parts = list(pool.map(copy_part, range(1, len(ranges) + 1)))
+            self._call("complete_multipart_upload", name, UploadId=upload, MultipartUpload={"Parts": parts})
+        except BaseException:
+            with contextlib.suppress(StorageWriteError):
+                self._call("abort_multipart_upload", name, UploadId=upload)
+            raise
+
     def is_staged(self, journal: Journal, name: str) -> bool:
         if name not in journal.staged:
             return False
@@ -161,26 +198,46 @@ class MultipartUploads(Destination):
             with contextlib.suppress(StorageWriteError):  # completed already, or the server is gone
                 self._call("abort_multipart_upload", staged.names[layout_name], UploadId=upload_id)
 
-    def drop_abandoned(self) -> int:
-        """Abort every pending upload a save makes (of a weight file directly under the prefix)."""
+    def pending_uploads(self) -> list[tuple[str, str]]:
+        """``(name, upload id)`` of every pending upload a save makes (of a weight file directly
+        under the prefix); none when the policy lacks ListBucketMultipartUploads (warned)."""
         bucket, prefix, _ = self.fs.split_path(f"{self.root}/")
-        dropped, marks = 0, {}
+        found: list[tuple[str, str]] = []
+        marks: dict[str, str] = {}
         while True:
             try:
                 page = self.fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix, **marks)
-            except Exception as e:  # noqa: BLE001 - a policy without ListBucketMultipartUploads: nothing to drop then
-                warnings.warn(f"{self.url}: cannot list pending uploads to drop what dead saves left "
-                              f"({type(e).__name__}: {e})", stacklevel=2)
-                return dropped
-            for upload in page.get("Uploads", []):
-                name = upload["Key"][len(prefix):]
-                if WEIGHT_FILE.fullmatch(name):
-                    with contextlib.suppress(StorageWriteError):
-                        self._call("abort_multipart_upload", name, UploadId=upload["UploadId"])
-                        dropped += 1
+            except Exception as e:  # noqa: BLE001 - a policy without ListBucketMultipartUploads
+                warnings.warn(f"{self.url}: cannot list the pending uploads dead saves left "
+                              f"({type(e).__name__}: {e})", stacklevel=3)
+                return found
+            found += [(upload["Key"][len(prefix):], upload["UploadId"]) for upload in page.get("Uploads", [])
+                      if WEIGHT_FILE.fullmatch(upload["Key"][len(prefix):])]
             if not page.get("IsTruncated"):
-                return dropped
+                return found
             marks = {"KeyMarker": page["NextKeyMarker"], "UploadIdMarker": page["NextUploadIdMarker"]}
+
+    def leftovers(self) -> list[Leftover]:
+        self.fs.invalidate_cache(self.root)
+        try:
+            listed = {e["name"].rstrip("/").rsplit("/", 1)[-1]: int(e.get("size") or 0)
+                      for e in self.fs.ls(self.root, detail=True)}
+        except FileNotFoundError:
+            listed = {}
+        found = [Leftover(name, leftover_kind(name), listed[name]) for name in leftovers(listed)]
+        for name, upload_id in self.pending_uploads():
+            size = sum(int(p["Size"]) for p in self._listed_parts(name, upload_id))
+            found.append(Leftover(f"pending upload of {name}", "upload", size, upload_id))
+        return found
+
+    def drop_abandoned(self) -> int:
+        """Abort every pending upload a save makes (of a weight file directly under the prefix)."""
+        dropped = 0
+        for name, upload_id in self.pending_uploads():
+            with contextlib.suppress(StorageWriteError):
+                self._call("abort_multipart_upload", name, UploadId=upload_id)
+                dropped += 1
+        return dropped
 
     # -- write ------------------------------------------------------------------------------------
     def _group(self) -> tuple[Any, int, int]:
