@@ -434,7 +434,6 @@ def _load(args: argparse.Namespace, rank: int, world: int) -> int:
         parallelize_for,
         progress_planner,
         reads_mapped,
-        table,
     )
 
     mesh = args.mesh or f"dp={world}"

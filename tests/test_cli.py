@@ -270,7 +270,7 @@ def test_bad_path_exits_nonzero_with_one_line():
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["plan", "{llama}", "--mesh", "tp=2,pp=2"], "unknown dims ['pp']"),
+    (["plan", "{llama}", "--mesh", "tp=2,pp=2"], "unknown dim 'pp'"),
     (["plan", "{llama}", "--mesh", "tp=two"], "expected name=size"),
     (["plan", "{llama}", "--transforms", "fuse_everything"], "unknown transform 'fuse_everything'"),
     (["plan", "{llama}", "--transforms", "grouped_gemm_experts"], "no stacked experts module"),

@@ -158,8 +158,22 @@ def test_missing_keys_from_another_architecture_say_what_config_json_names(mixtr
     with pytest.raises(ArchitectureMismatchError) as caught:
         load_hf_checkpoint(model, str(mixtral_checkpoint.path))
     message = str(caught.value)
-    assert "'mixtral' model (architectures ['MixtralForCausalLM'])" in message
+    assert message.startswith("file 'config.json': config.json names model_type 'mixtral' (architectures "
+                              "['MixtralForCausalLM']), but the model is a 'llama' one (LlamaForCausalLM)")
+    assert "model_cls" not in message  # load_hf_checkpoint takes no model class
     assert "the checkpoint makes no value for" in message  # the missing keys are still listed
+
+
+def test_shapes_from_another_architecture_say_first_what_config_json_names(mixtral_checkpoint):
+    """A Llama of other sizes than the Mixtral checkpoint's: the shapes disagree (a MappingError
+    listing each tensor), and the first words say why: config.json names mixtral."""
+    model = materialize(build_skeleton(tiny_config("llama", hidden_size=48), model_class("llama")))
+    with pytest.raises(ArchitectureMismatchError) as caught:
+        load_hf_checkpoint(model, str(mixtral_checkpoint.path))
+    message = str(caught.value)
+    assert message.startswith("file 'config.json': config.json names model_type 'mixtral'"), message
+    assert "hp_dcp_hf.from_pretrained(path) builds one from config.json" in message and "model_cls" not in message
+    assert "model tensors do not match the checkpoint" in message  # the shapes are still listed
 
 
 # -- nested state dicts --------------------------------------------------------------------------
