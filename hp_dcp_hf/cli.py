@@ -753,6 +753,27 @@ def _one_line(error: BaseException) -> str:
     return text if len(text) <= 400 else text[:400] + "... (--debug for all of it)"
 
 
+def _stdout_closed() -> bool:
+    """Whether stdout is a pipe whose reader has gone (``head`` exited): a ``BrokenPipeError`` from
+    printing, not one from a connection to storage."""
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll, or stdout is no file
+        return False
+
+
+def _discard_stdout() -> None:
+    """Point stdout at /dev/null, so that Python's flush at exit does not fail on the closed pipe
+    again (and print "Exception ignored ... BrokenPipeError")."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
@@ -764,6 +785,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
     except Exception as error:
+        if isinstance(error, BrokenPipeError) and _stdout_closed():  # `... | head`: the reader has what it wanted
+            _discard_stdout()
+            return 0
         if getattr(args, "debug", False):
             raise
         if not getattr(error, "reported", False):

@@ -254,3 +254,31 @@ def test_a_failed_load_under_torchrun_prints_one_line_from_rank_0(tiny_checkpoin
     assert ours.endswith("': model.safetensors.index.json maps keys to a missing file"), ours
     assert "Global metadata is not found" not in run.stderr
     assert "hp_dcp_hf/" not in run.stderr  # no traceback through our code; torchrun's own summary may follow
+
+
+def test_output_piped_into_a_reader_that_stops_early_ends_quietly(mixtral_checkpoint):
+    """``hp-dcp-hf inspect PATH --tensors | head -1``: the reader is gone before the listing is
+    printed; the command exits 0 without an error line (nor Python's "Exception ignored")."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-m", "hp_dcp_hf", "inspect", str(mixtral_checkpoint.path), "--tensors"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=REPO)
+    proc.stdout.close()  # as head does after its line, here before the first one: every print hits a closed pipe
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 0, err
+    assert err == ""
+
+
+def test_a_broken_pipe_that_is_not_stdout_is_still_an_error(capsys, mixtral_checkpoint, monkeypatch):
+    """A ``BrokenPipeError`` from elsewhere (a connection to storage) while stdout is fine is an
+    error, as any other."""
+    from hp_dcp_hf import cli, toolkit
+
+    def broken(*args, **kwargs):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(toolkit, "inspect_checkpoint", broken)
+    read_end, write_end = os.pipe()  # stdout a pipe whose reader is still there
+    with os.fdopen(write_end, "w") as stdout, os.fdopen(read_end) as _:
+        monkeypatch.setattr(sys, "stdout", stdout)
+        assert cli.main(["inspect", str(mixtral_checkpoint.path)]) == 1
+    assert capsys.readouterr().err == "hp-dcp-hf: error: BrokenPipeError: [Errno 32] Broken pipe\n"
