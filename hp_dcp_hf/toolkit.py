@@ -47,7 +47,6 @@ __all__ = [
     "RankPlan",
     "RecordingReader",
     "SaveProgress",
-    "cluster_reads",
     "fmt_bytes",
     "inspect_checkpoint",
     "parallelize_for",
@@ -258,7 +257,7 @@ def plan_ranks(
     make no model tensor (none with ``"ignore"``; ``"raise"`` raises). ``coordinate_dims`` names the
     dims of each rank's ``coordinate``; ``mapped``: whether the reads are copies out of memory
     mappings (then ``requests`` count contiguous runs, not requests to storage); ``cluster``: the
-    whole cluster's reads (:func:`cluster_reads`).
+    whole cluster's reads (:func:`_cluster_reads`).
     """
     import torch.distributed as dist
 
@@ -328,18 +327,19 @@ def plan_ranks(
         "cooperative": cooperate,
         "mapped": reads_mapped(reader),
         "unexpected": list(unused),
-        "cluster": cluster_reads(ranks, int(spans.needed.sum()), cooperate),
+        "cluster": _cluster_reads(ranks, int(spans.needed.sum()), cooperate),
         "ranks": ranks,
     }
 
 
-def cluster_reads(ranks: Sequence[RankPlan], needed_once: int, cooperative: bool) -> dict[str, Any]:
+def _cluster_reads(ranks: Sequence[RankPlan], needed_once: int, cooperative: bool) -> dict[str, Any]:
     """The whole cluster's reads, named apart so that none reads as another: ``bytes_read`` from
     storage by all ranks, ``bytes_needed_once`` (the checkpoint bytes some rank needs, each counted
     once), ``bytes_needed_by_shards`` (each rank's needs summed: a byte two ranks need counts twice),
-    ``bytes_received`` from peers (cooperating), ``holes`` (bytes read that no rank needs: what
-    coalescing or spans bridge) and ``read_amplification`` (``bytes_read / bytes_needed_once``:
-    1.0 when the cluster reads each needed byte once)."""
+    ``bytes_received`` from peers (cooperating), ``holes`` (bytes read that the reading rank does
+    not need, bridged by coalescing; cooperating, that no rank needs, bridged inside spans) and
+    ``read_amplification`` (``bytes_read / bytes_needed_once``: 1.0 when the cluster reads each
+    needed byte once)."""
     read = sum(r.bytes_to_read for r in ranks)
     by_shards = sum(r.bytes_needed for r in ranks)
     # Reading directly, each rank reads its own needs and the holes between them; cooperating, the
