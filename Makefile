@@ -12,6 +12,9 @@ PY     := $(BIN)/python
 TORCH_PIN ?= torch==2.13.0
 # Re-install whenever pyproject.toml changes; otherwise `make venv` is instant.
 STAMP  := $(VENV)/.hp-dcp-hf-installed
+# `make demo` needs only the [demo] extra (about a tenth of the packages of [test,demo]: no moto,
+# torchtitan, datasets, wandb); a dev install ($(STAMP), up to date) has it already.
+DEMO_STAMP := $(VENV)/.hp-dcp-hf-demo-installed
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
 # make compat TORCH=2.X.Y: `make test` in $(COMPAT_VENV), a venv of its own with torch==$(TORCH) (from
@@ -36,7 +39,7 @@ RUFF_CHECK = if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then \
 BENCH_ARGS ?=
 
 help:
-	@echo "make demo       multi-rank load demo ($(PY) -m hp_dcp_hf demo $(DEMO_ARGS))"
+	@echo "make demo       multi-rank load demo ($(PY) -m hp_dcp_hf demo $(DEMO_ARGS)); installs the [demo] extra only"
 	@echo "make test       make lint + pytest -q tests/ (PYTEST_ARGS=... to pass more)"
 	@echo "make compat TORCH=2.X.Y  the pytest run of make test in .venv-compat-TORCH, with torch==TORCH"
 	@echo "make fuzz       the dedicated 10,000-case parser fuzzing run"
@@ -49,11 +52,20 @@ help:
 
 venv: $(STAMP)
 
+# The project installed editable with the extras $(1) into $(VENV): torch pinned first, on its own.
+INSTALL = test -x $(PY) || $(PYTHON) -m venv $(VENV); \
+	$(PY) -m pip install --upgrade pip && \
+	$(PY) -m pip install '$(TORCH_PIN)' && \
+	$(PY) -m pip install -e '.[$(1)]' '$(TORCH_PIN)'
+
+DEV_EXTRAS := test,demo
 $(STAMP): pyproject.toml
-	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --upgrade pip
-	$(PY) -m pip install '$(TORCH_PIN)'
-	$(PY) -m pip install -e '.[test,demo]' '$(TORCH_PIN)'
+	$(call INSTALL,$(DEV_EXTRAS))
+	@touch $@
+
+$(DEMO_STAMP): pyproject.toml
+	@if [ -f $(STAMP) ] && [ $(STAMP) -nt pyproject.toml ]; then :; else \
+	  echo "make demo: installing the project with its [demo] extra into $(VENV)"; $(call INSTALL,demo); fi
 	@touch $@
 
 lint: venv
@@ -82,7 +94,7 @@ compat:
 	@$(COMPAT_VENV)/bin/python -c 'import torch; print("make compat: torch", torch.__version__)'
 	@$(call PYTEST_RUN,$(COMPAT_VENV)/bin/python)
 
-demo: venv
+demo: $(DEMO_STAMP)
 	$(PY) -m hp_dcp_hf demo $(DEMO_ARGS)
 
 bench: venv

@@ -20,6 +20,7 @@ from hp_dcp_hf.errors import (
     ArchitectureMismatchError,
     ArgumentError,
     HPDCPHFError,
+    MappingError,
     MissingKeysError,
     StorageWriteError,
 )
@@ -89,8 +90,9 @@ def load_hf_checkpoint(
     ``error.touched_keys``: the state dict keys this rank had already written into. Every rank
     raises the first failing rank's error, and ``error.rank`` names that rank.
 
-    ``strict`` is about model tensors the checkpoint does not make (:class:`MissingKeysError`,
-    an :class:`ArchitectureMismatchError` when ``config.json`` names another model type);
+    ``strict`` is about model tensors the checkpoint does not make (:class:`MissingKeysError`;
+    that and shapes that disagree, :class:`MappingError`, are an :class:`ArchitectureMismatchError`
+    saying so first when ``config.json`` names another model type);
     ``unexpected`` about checkpoint tensors no model tensor is made from: ``"warn"`` (once, on
     rank 0, with their number and first names), ``"raise"`` or ``"ignore"``, as in
     :class:`HFMappingPlanner`.
@@ -144,7 +146,7 @@ def load_hf_checkpoint(
         error = reader.metadata_error or unwrap_checkpoint_exception(exc)
     except HPDCPHFError as exc:
         error = exc
-    if isinstance(error, MissingKeysError):
+    if isinstance(error, MissingKeysError | MappingError):
         error = _architecture_mismatch(model, reader, error) or error
     if should_broadcast() and not getattr(error, "agreed", False):  # a cooperative read agreed already
         error = agree_on_failure(error)
@@ -164,18 +166,24 @@ def load_hf_checkpoint(
 
 
 def _architecture_mismatch(model: nn.Module, reader: HFStorageReader,
-                           error: MissingKeysError) -> ArchitectureMismatchError | None:
-    """Missing keys explained: the checkpoint's ``config.json`` names another model type than the
-    model's. None when it does not, or has no readable config."""
+                           error: MissingKeysError | MappingError) -> ArchitectureMismatchError | None:
+    """Missing keys or shapes that disagree, explained first: the checkpoint's ``config.json``
+    names another model type than the model's (what ``from_pretrained`` refuses up front). None
+    when it does not, or has no readable config."""
     from hp_dcp_hf.pipeline import CONFIG_FILE, check_architecture, read_config
 
-    if getattr(getattr(model, "config", None), "model_type", None) is None:
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type is None:
         return None
     try:
         config = read_config(reader.path, reader.storage_options)
         check_architecture(config, type(model))
-    except ArchitectureMismatchError as mismatch:
-        return ArchitectureMismatchError(f"{mismatch.reason}; {error.reason}", file=CONFIG_FILE)
+    except ArchitectureMismatchError:
+        return ArchitectureMismatchError(
+            f"config.json names model_type {config.model_type!r} (architectures "
+            f"{getattr(config, 'architectures', None)}), but the model is a {model_type!r} one "
+            f"({type(model).__name__}): load it into a model of the checkpoint's type (hp_dcp_hf.from_pretrained(path) "
+            f"builds one from config.json); what the load found: {error.reason}", file=CONFIG_FILE)
     except HPDCPHFError:
         return None
     return None

@@ -309,7 +309,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
              fmt_bytes(r.bytes_to_read), r.ranges, r.requests,
              f"{r.deferred_targets} ({fmt_bytes(r.deferred_bytes)})") for r in ranks]
     coordinate = f"coord ({','.join(result['coordinate_dims'])})" if result["coordinate_dims"] else "coord"
-    header = ("rank", coordinate, "targets", "items", "bytes needed", "bytes to read", "ranges",
+    header = ("rank", coordinate, "targets", "items", "bytes needed", "read from storage", "ranges",
               _requests_column(result["mapped"]), "deferred")
     if result["quantization"]:
         print(f"  quantized checkpoint ({result['quantization']}): read as values, weight boxes with their scale blocks")
@@ -317,25 +317,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
         header = (*header, "quantized", "scales")
     if result["cooperative"]:
         rows = [(*row, fmt_bytes(r.bytes_from_peers), fmt_bytes(r.bytes_to_peers)) for row, r in zip(rows, ranks)]
-        header = (*header, "from peers", "to peers")
+        header = (*header, "received from peers", "sent to peers")
     print(table(header, rows))
     if result["mapped"]:
         print(_RUNS_NOTE)
-    total = sum(r.bytes_to_read for r in ranks)
-    needed = sum(r.bytes_needed for r in ranks)
-    checkpoint = max(1, result["checkpoint_bytes"])
-    print(f"all ranks read {fmt_bytes(total)} of a {fmt_bytes(result['checkpoint_bytes'])} checkpoint "
-          f"({total / checkpoint:.2f}x, {fmt_bytes(needed)} needed by the ranks' shards, coalescing adds "
-          f"{fmt_bytes(total - needed)} of holes)")
-    if result["cooperative"]:
-        exchanged = sum(r.bytes_from_peers for r in ranks)
-        print(f"span ownership: each needed byte is read by one rank, in {sum(r.requests for r in ranks)} requests, "
-              f"and the ranks exchange {fmt_bytes(exchanged)} ({exchanged / checkpoint:.2f}x the checkpoint) over the "
-              "process group")
-    elif needed > result["checkpoint_bytes"]:  # some bytes are needed by several ranks
-        print(f"ranks read the same bytes ({needed / checkpoint:.2f}x the checkpoint, "
-              f"{fmt_bytes(needed - result['checkpoint_bytes'])} more); --cooperate always reads each once (the "
-              "default, auto, does on remote stores and shared file systems)")
+    for line in _plan_summary(result):
+        print(line)
     if args.items:
         for r in ranks:
             print(f"rank {r.rank} read items:")
@@ -343,6 +330,33 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 box = ", ".join(f"{o}:{o + n}" for o, n in zip(item["offsets"], item["lengths"]))
                 print(f"  {item['key']}[{box}] -> {item['target']} @ {tuple(item['target_offsets'])}")
     return 0
+
+
+def _plan_summary(result: dict[str, Any]) -> list[str]:
+    """``plan``'s closing lines: what the cluster reads from storage and why it is more than the
+    checkpoint bytes it needs (holes, ranks that need the same bytes), from ``result["cluster"]``."""
+    from hp_dcp_hf.toolkit import fmt_bytes
+
+    cluster, checkpoint = result["cluster"], result["checkpoint_bytes"]
+    read, once, by_shards = cluster["bytes_read"], cluster["bytes_needed_once"], cluster["bytes_needed_by_shards"]
+    lines = [f"the ranks read {fmt_bytes(read)} from storage in all, {read / max(checkpoint, 1):.2f}x the "
+             f"{fmt_bytes(checkpoint)} checkpoint; cluster read amplification {cluster['read_amplification']:.3f} "
+             f"(bytes read from storage / the {fmt_bytes(once)} of the checkpoint some rank needs, each byte "
+             f"counted once); of what they read, {fmt_bytes(cluster['holes'])} "
+             + ("are holes no rank needs, bridged inside spans" if result["cooperative"] else
+                "are holes between the ranges a rank needs, read by coalescing them (--coalesce-gap)")]
+    if result["cooperative"]:
+        lines.append(f"span ownership: each needed byte is read from storage by one rank, in "
+                     f"{sum(r.requests for r in result['ranks'])} requests; the ranks' shards need "
+                     f"{fmt_bytes(by_shards)} in all, and what a rank needs but does not read itself it receives "
+                     f"from the rank that read it: {fmt_bytes(cluster['bytes_received'])} received in all, over the "
+                     "process group")
+    elif by_shards > once:  # some bytes are needed by several ranks, and each of them reads them
+        lines.append(f"several ranks need some of the same checkpoint bytes and each reads its own copy: the ranks' "
+                     f"shards need {fmt_bytes(by_shards)} in all, {fmt_bytes(by_shards - once)} more than the "
+                     f"{fmt_bytes(once)} they need between them ({by_shards / max(once, 1):.2f}x); --cooperate always "
+                     "reads each byte once (the default, auto, does on remote stores and shared file systems)")
+    return lines
 
 
 _RUNS_NOTE = ("(runs: contiguous byte runs copied out of the files' memory mappings, one per row of a "
@@ -425,7 +439,6 @@ def _load(args: argparse.Namespace, rank: int, world: int) -> int:
         parallelize_for,
         progress_planner,
         reads_mapped,
-        table,
     )
 
     mesh = args.mesh or f"dp={world}"
@@ -474,6 +487,10 @@ def _load(args: argparse.Namespace, rank: int, world: int) -> int:
             "loaded": len(report.loaded_keys), "missing": len(report.missing_keys),
             "unexpected": len(report.unexpected_keys), "initialized": len(report.initialized_keys),
             "bytes_written": written, "save_s": save_s,
+            # cooperating: what the rank received from the ranks that read it, and the checkpoint
+            # bytes the whole cluster needs, each counted once (the same on every rank)
+            "cooperating": reader.spans is not None, "bytes_received": reader.exchange.bytes_received,
+            "bytes_needed_once": int(reader.spans.plan.needed.sum()) if reader.spans is not None else None,
         }
         rows: list[dict[str, Any]] = [{}] * world
         dist.all_gather_object(rows, row)
@@ -490,27 +507,8 @@ def _load(args: argparse.Namespace, rank: int, world: int) -> int:
         return 0
     for line in layout:
         print(f"layout: {line}")
-    phases = _PHASES
-    mapped = rows[0]["mapped"]
-    print(table(("rank", "bytes needed", "bytes read", _requests_column(mapped), "load s",
-                 *(f"{p} s" for p in phases), "GB/s"),
-                [(r["rank"], fmt_bytes(r["bytes_needed"]), fmt_bytes(r["bytes_read"]), r["requests"],
-                  f"{r['load_s']:.2f}", *(f"{r['phases'][p]:.2f}" for p in phases),
-                  f"{r['bytes_read'] / max(r['read_s'], 1e-9) / 1e9:.2f}")
-                 for r in rows]))
-    print("(bytes needed: what the rank's shards need from the checkpoint; load s: the whole load, its "
-          "metadata, plan, spans (cooperating: every rank's needs gathered, spans planned), read and exchange phases and "
-          "the agreement after it; copy s: of read s, the reads' "
-          "wait for copies to CUDA devices; finalize s: the model's init of what the checkpoint lacks, tying; "
-          "GB/s: bytes read over read s)")
-    if mapped:
-        print(_RUNS_NOTE)
-    needed = sum(r["bytes_needed"] for r in rows)
-    read = sum(r["bytes_read"] for r in rows)
-    legacy = "; the legacy loader reads whole tensors, then keeps the shards" if args.loader == "legacy" else ""
-    print(f"read amplification {read / max(needed, 1):.3f} (bytes read / bytes the shards need{legacy}); "
-          f"loaded {rows[0]['loaded']} tensors, missing {rows[0]['missing']}, unexpected {rows[0]['unexpected']}, "
-          f"initialized by the model {rows[0]['initialized']}")
+    for line in _load_table(rows, legacy=args.loader == "legacy"):
+        print(line)
     if logits is not None:
         print(f"forward: logits {logits['shape']}, mean {logits['mean']:.6f}, finite={logits['finite']}")
     if args.save_to:
@@ -518,6 +516,48 @@ def _load(args: argparse.Namespace, rank: int, world: int) -> int:
               + ", ".join(f"rank {r['rank']} {fmt_bytes(r['bytes_written'])} in {r['save_s']:.2f} s" for r in rows)
               + f"; {fmt_bytes(sum(r['bytes_written'] for r in rows))} in all")
     return 0
+
+
+def _load_table(rows: Sequence[dict[str, Any]], *, legacy: bool) -> list[str]:
+    """``load``'s per-rank table and the lines after it: each rank's bytes needed, read from storage
+    and (cooperating) received from peers; the amplification named for what it divides."""
+    from hp_dcp_hf.toolkit import fmt_bytes, table
+
+    mapped, cooperating = rows[0]["mapped"], rows[0]["cooperating"]
+    received = ("received from peers",) if cooperating else ()
+    lines = [table(("rank", "bytes needed", "read from storage", *received, _requests_column(mapped), "load s",
+                    *(f"{p} s" for p in _PHASES), "GB/s"),
+                   [(r["rank"], fmt_bytes(r["bytes_needed"]), fmt_bytes(r["bytes_read"]),
+                     *((fmt_bytes(r["bytes_received"]),) if cooperating else ()), r["requests"],
+                     f"{r['load_s']:.2f}", *(f"{r['phases'][p]:.2f}" for p in _PHASES),
+                     f"{r['bytes_read'] / max(r['read_s'], 1e-9) / 1e9:.2f}")
+                    for r in rows])]
+    lines.append("(bytes needed: what the rank's shards need from the checkpoint; "
+                 + ("read from storage: the spans the rank owns, for itself and for the others; received from "
+                    "peers: what its shards need from spans other ranks own; " if cooperating else "")
+                 + "load s: the whole load, its metadata, plan, spans (cooperating: every rank's needs gathered, "
+                 "spans planned), read and exchange phases and the agreement after it; copy s: of read s, the reads' "
+                 "wait for copies to CUDA devices; finalize s: the model's init of what the checkpoint lacks, tying; "
+                 "GB/s: bytes read from storage over read s)")
+    if mapped:
+        lines.append(_RUNS_NOTE)
+    needed = sum(r["bytes_needed"] for r in rows)
+    read = sum(r["bytes_read"] for r in rows)
+    note = "; the legacy loader reads whole tensors, then keeps the shards" if legacy else ""
+    if cooperating:
+        once = rows[0]["bytes_needed_once"]
+        lines.append(f"cluster read amplification {read / max(once, 1):.3f} (the {fmt_bytes(read)} the ranks read "
+                     f"from storage / the {fmt_bytes(once)} of the checkpoint they read for, each byte counted once"
+                     f"{note}); the ranks' shards need {fmt_bytes(needed)} in all: what a rank does not read itself it "
+                     f"receives from the rank that read it, {fmt_bytes(sum(r['bytes_received'] for r in rows))} "
+                     "received in all")
+    else:
+        lines.append(f"read amplification {read / max(needed, 1):.3f} (bytes read from storage / bytes the shards "
+                     f"need, each rank its own{note})")
+    first = rows[0]
+    lines.append(f"loaded {first['loaded']} tensors, missing {first['missing']}, unexpected {first['unexpected']}, "
+                 f"initialized by the model {first['initialized']}")
+    return lines
 
 
 def _say_once(error: Exception, rank: int) -> None:
@@ -735,6 +775,27 @@ def _one_line(error: BaseException) -> str:
     return text if len(text) <= 400 else text[:400] + "... (--debug for all of it)"
 
 
+def _stdout_closed() -> bool:
+    """Whether stdout is a pipe whose reader has gone (``head`` exited): a ``BrokenPipeError`` from
+    printing, not one from a connection to storage."""
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll, or stdout is no file
+        return False
+
+
+def _discard_stdout() -> None:
+    """Point stdout at /dev/null, so that Python's flush at exit does not fail on the closed pipe
+    again (and print "Exception ignored ... BrokenPipeError")."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
@@ -746,6 +807,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
     except Exception as error:
+        if isinstance(error, BrokenPipeError) and _stdout_closed():  # `... | head`: the reader has what it wanted
+            _discard_stdout()
+            return 0
         if getattr(args, "debug", False):
             raise
         if not getattr(error, "reported", False):

@@ -42,6 +42,10 @@ DEMO_CONFIG: dict[str, Any] = dict(
 )
 SHARD_SIZE = "48MB"
 MARKER = "hp_dcp_hf_demo.json"
+DEMO_DTYPE = "float32"
+"""The dtype the demo's models are built in, not the default's (``auto``: a bf16 checkpoint makes a
+bf16 model): the forward is compared with transformers' float32 one, and an FP8 checkpoint's values
+need float32 to be compared exactly."""
 
 
 def _cache_dir(arg: str | None) -> Path:
@@ -144,7 +148,7 @@ def _rank_main(rank: int, world: int, port: int, ckpt: str, mesh_spec: str, tran
             reader = RecordingReader(ckpt)
             start = time.perf_counter()
             model, report = from_pretrained(
-                ckpt, dtype=torch.float32, transforms=transforms, parallelize=parallelize, loader=loader,
+                ckpt, dtype=DEMO_DTYPE, transforms=transforms, parallelize=parallelize, loader=loader,
                 reader=reader, planner_cls=progress_planner(rank == 0, desc=f"rank 0, {loader} loader"),
             )
             layout, coordinate = parallelize.describe(), parallelize.coordinate
@@ -169,7 +173,7 @@ def _rank_main(rank: int, world: int, port: int, ckpt: str, mesh_spec: str, tran
         start = time.perf_counter()
         save_hf_checkpoint(models["dcp"], saved_path, writer=writer)
         save = {"bytes_written": writer.bytes_written, "save_s": time.perf_counter() - start}
-        reloaded, _ = from_pretrained(saved_path, dtype=torch.float32, transforms=transforms,
+        reloaded, _ = from_pretrained(saved_path, dtype=DEMO_DTYPE, transforms=transforms,
                                       parallelize=parallelize_for(mesh_spec))
         state = models["dcp"].state_dict()
         again = reloaded.state_dict()
@@ -192,7 +196,7 @@ def _rank_main(rank: int, world: int, port: int, ckpt: str, mesh_spec: str, tran
     if reference and rank == 0:
         from transformers import MixtralForCausalLM
 
-        ref = MixtralForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+        ref = MixtralForCausalLM.from_pretrained(ckpt, dtype=getattr(torch, DEMO_DTYPE)).eval()
         with torch.no_grad():
             ref_logits = ref(input_ids=ids).logits
         result["reference"] = {"max_abs_diff": float((logits - ref_logits).abs().max()),
@@ -297,10 +301,10 @@ def run(args: argparse.Namespace) -> int:
               f"({fmt_bytes(quantized.get('weight_bytes', 0))}) and their scales "
               f"({fmt_bytes(quantized.get('scale_bytes', 0))}), loaded as values")
     print(f"model        {world} ranks (gloo), mesh " + " x ".join(f"{k}={v}" for k, v in sizes.items())
-          + f", transforms {','.join(transforms) or 'none'}, float32")
+          + f", transforms {','.join(transforms) or 'none'}, {dtype_line(str(ckpt))}")
 
     start = time.perf_counter()
-    plan = plan_ranks(str(ckpt), sizes, transforms=transforms, dtype=torch.float32)
+    plan = plan_ranks(str(ckpt), sizes, transforms=transforms, dtype=DEMO_DTYPE)
     print(f"plan         every rank's reads planned in {time.perf_counter() - start:.1f} s, no process group")
     for line in plan["layout"]:
         print(f"layout       {line}")
@@ -403,6 +407,20 @@ def run(args: argparse.Namespace) -> int:
     print(f"{'picture':<23}      {pictures[0]} (legacy: {pictures[1].name})")
     print(f"{'output':<23}      {out}  ({time.perf_counter() - wall:.0f} s in all)")
     return 0 if all(ok for _, ok, _ in checks) else 1
+
+
+def dtype_line(ckpt: str) -> str:
+    """The demo's dtype, and the one ``dtype="auto"`` (the default of ``from_pretrained`` and the
+    CLI) builds the checkpoint at ``ckpt`` in, so the demo's choice is not taken for the default."""
+    from hp_dcp_hf.model_dtype import AUTO, resolve_dtype
+    from hp_dcp_hf.pipeline import read_config
+
+    entries = lambda: (e.dtype for e in _catalog(Path(ckpt)).entries.values())  # noqa: E731
+    default = str(resolve_dtype(AUTO, read_config(ckpt), entries)).removeprefix("torch.")
+    if default == DEMO_DTYPE:
+        return DEMO_DTYPE
+    return (f"{DEMO_DTYPE} (the demo's choice, to compare with transformers' {DEMO_DTYPE} forward; by default, "
+            f"dtype='auto', this checkpoint loads as {default}, as in transformers)")
 
 
 def _same_tensors(saved: Path, original: Path) -> bool:

@@ -41,6 +41,7 @@ from hp_dcp_hf.storage.transport.stats import FileStats
 if TYPE_CHECKING:
     from hp_dcp_hf.parallel import TransformersPlans
     from hp_dcp_hf.planner import HFMappingPlanner, Unexpected
+    from hp_dcp_hf.storage.read.spans import ClusterPlan, Traffic
 
 __all__ = [
     "Progress",
@@ -211,7 +212,11 @@ def parallelize_for(mesh: str | Mapping[str, int]) -> TransformersPlans:
 
 @dataclass
 class RankPlan:
-    """One rank's planned load: what it needs and the requests its reader will issue."""
+    """One rank's planned load: what it needs and the requests its reader will issue.
+
+    ``bytes_needed``: the checkpoint bytes its shards need; ``bytes_to_read``: the bytes it reads
+    from storage (cooperating: the spans it owns, for itself and for others); ``bytes_from_peers`` /
+    ``bytes_to_peers``: cooperating, the bytes it receives from / sends to other ranks."""
 
     rank: int
     coordinate: tuple[int, ...]
@@ -268,7 +273,8 @@ def plan_ranks(
     ``unexpected``: as the planner's; the result's ``unexpected`` lists the checkpoint tensors that
     make no model tensor (none with ``"ignore"``; ``"raise"`` raises). ``coordinate_dims`` names the
     dims of each rank's ``coordinate``; ``mapped``: whether the reads are copies out of memory
-    mappings (then ``requests`` count contiguous runs, not requests to storage).
+    mappings (then ``requests`` count contiguous runs, not requests to storage); ``cluster``: the
+    whole cluster's reads (:func:`_cluster_reads`).
     """
     import torch.distributed as dist
 
@@ -321,8 +327,9 @@ def plan_ranks(
                            "lengths": list(i.lengths), "target": i.dest_index.fqn,
                            "target_offsets": list(i.dest_offsets)} for i in items]
         ranks.append(plan)
+    spans, shares = reader.plan_spans(items_by_rank)
     if cooperate:
-        _plan_cooperation(reader, items_by_rank, ranks)
+        _plan_cooperation(reader, spans, shares, ranks)
     checkpoint_bytes = sum(e.nbytes for e in reader.entries.values())
     return {
         "checkpoint": path,
@@ -337,14 +344,38 @@ def plan_ranks(
         "cooperative": cooperate,
         "mapped": reads_mapped(reader),
         "unexpected": list(unused),
+        "cluster": _cluster_reads(ranks, int(spans.needed.sum()), cooperate),
         "ranks": ranks,
     }
 
 
-def _plan_cooperation(reader: HFStorageReader, items_by_rank: Sequence[Sequence[Any]], ranks: list[RankPlan]) -> None:
+def _cluster_reads(ranks: Sequence[RankPlan], needed_once: int, cooperative: bool) -> dict[str, Any]:
+    """The whole cluster's reads, named apart so that none reads as another: ``bytes_read`` from
+    storage by all ranks, ``bytes_needed_once`` (the checkpoint bytes some rank needs, each counted
+    once), ``bytes_needed_by_shards`` (each rank's needs summed: a byte two ranks need counts twice),
+    ``bytes_received`` from peers (cooperating), ``holes`` (bytes read that the reading rank does
+    not need, bridged by coalescing; cooperating, that no rank needs, bridged inside spans) and
+    ``read_amplification`` (``bytes_read / bytes_needed_once``: 1.0 when the cluster reads each
+    needed byte once)."""
+    read = sum(r.bytes_to_read for r in ranks)
+    by_shards = sum(r.bytes_needed for r in ranks)
+    # Reading directly, each rank reads its own needs and the holes between them; cooperating, the
+    # owners read the union of all needs once, and the spans' holes.
+    holes = read - needed_once if cooperative else sum(r.bytes_to_read - r.bytes_needed for r in ranks)
+    return {
+        "bytes_read": read,
+        "bytes_needed_once": needed_once,
+        "bytes_needed_by_shards": by_shards,
+        "bytes_received": sum(r.bytes_from_peers for r in ranks),
+        "holes": holes,
+        "read_amplification": read / max(needed_once, 1),
+    }
+
+
+def _plan_cooperation(reader: HFStorageReader, spans: ClusterPlan, shares: Sequence[Traffic],
+                      ranks: list[RankPlan]) -> None:
     """Cooperating, a rank reads the spans it owns (:meth:`HFStorageReader.plan_spans`) and
     receives from their owners the rest of what it needs: its reads and requests are those."""
-    spans, shares = reader.plan_spans(items_by_rank)
     for plan, share in zip(ranks, shares, strict=True):
         plan.bytes_to_read, plan.requests = share.storage_bytes, share.requests
         plan.bytes_from_peers, plan.bytes_to_peers = share.received, share.sent

@@ -270,7 +270,7 @@ def test_bad_path_exits_nonzero_with_one_line():
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["plan", "{llama}", "--mesh", "tp=2,pp=2"], "unknown dims ['pp']"),
+    (["plan", "{llama}", "--mesh", "tp=2,pp=2"], "unknown dim 'pp'"),
     (["plan", "{llama}", "--mesh", "tp=two"], "expected name=size"),
     (["plan", "{llama}", "--transforms", "fuse_everything"], "unknown transform 'fuse_everything'"),
     (["plan", "{llama}", "--transforms", "grouped_gemm_experts"], "no stacked experts module"),
@@ -372,7 +372,8 @@ def test_plan_text(capsys, mixtral):
     # the rewritten names are the destinations, the checkpoint's original names the sources
     assert "mlp.experts.w13" in out and "block_sparse_moe.experts.0.w1.weight" in out
     # the closing note: replication and coalescing apart (a memory mapping reads no holes)
-    assert "ranks read the same bytes (" in out and "coalescing adds 0 B of holes" in out
+    assert "several ranks need some of the same checkpoint bytes and each reads its own copy" in out
+    assert "of what they read, 0 B are holes between the ranges a rank needs" in out
 
 
 def test_plan_closing_note_names_coalescing_holes(capsys, llama):
@@ -380,12 +381,12 @@ def test_plan_closing_note_names_coalescing_holes(capsys, llama):
     assert code == 0, err
     _, out_json, _ = _run_cli(capsys, "plan", str(llama.path), "--mesh", MESH, "--no-map", "--coalesce-gap", "64",
                               "--json")
-    ranks = json.loads(out_json)["ranks"]
-    holes = sum(r["bytes_to_read"] - r["bytes_needed"] for r in ranks)
-    assert holes > 0
+    plan = json.loads(out_json)
+    holes = sum(r["bytes_to_read"] - r["bytes_needed"] for r in plan["ranks"])
+    assert holes > 0 and plan["cluster"]["holes"] == holes
     note, replicas = out.strip().splitlines()[-2:]
-    assert note.startswith("all ranks read ") and replicas.startswith("ranks read the same bytes (")
-    assert f"coalescing adds {fmt_bytes(holes)} of holes" in note, note
+    assert note.startswith("the ranks read ") and replicas.startswith("several ranks need some of the same ")
+    assert f"of what they read, {fmt_bytes(holes)} are holes between the ranges a rank needs" in note, note
 
 
 def test_plan_names_the_coordinate_dims_and_speaks_of_replicas_only_where_there_are(capsys, llama):
@@ -400,9 +401,12 @@ def test_plan_names_the_coordinate_dims_and_speaks_of_replicas_only_where_there_
     assert header.split()[:3] == ["rank", "coord", "(dp_replicate)"]
     _, checkpoint, _ = _run_cli(capsys, "inspect", str(llama.path), "--json")
     replicated = json.loads(checkpoint)["tensor_bytes"]  # both replicas need every byte
-    assert out.splitlines()[-1] == (f"ranks read the same bytes (2.00x the checkpoint, {fmt_bytes(replicated)} "
-                                    "more); --cooperate always reads each once (the default, auto, does on remote "
-                                    "stores and shared file systems)")
+    assert out.splitlines()[-1] == (
+        "several ranks need some of the same checkpoint bytes and each reads its own copy: the ranks' shards need "
+        f"{fmt_bytes(2 * replicated)} in all, {fmt_bytes(replicated)} more than the {fmt_bytes(replicated)} they "
+        "need between them (2.00x); --cooperate always reads each byte once (the default, auto, does on remote "
+        "stores and shared file systems)")
+    assert "cluster read amplification 2.000 (bytes read from storage / the " in out
 
 
 def test_mapped_reads_are_runs_not_requests(capsys, llama):
@@ -510,12 +514,14 @@ def test_load_single_process_json(capsys, llama):
     code, out, err = _run_cli(capsys, "load", str(llama.path))
     assert code == 0, err
     header = next(line for line in out.splitlines() if line.startswith("rank "))
-    assert header.split() == ["rank", "bytes", "needed", "bytes", "read", "runs", "load", "s", "metadata", "s",
-                              "plan", "s", "spans", "s", "read", "s", "copy", "s", "exchange", "s", "finalize", "s", "GB/s"]
+    assert header.split() == ["rank", "bytes", "needed", "read", "from", "storage", "runs", "load", "s", "metadata",
+                              "s", "plan", "s", "spans", "s", "read", "s", "copy", "s", "exchange", "s", "finalize",
+                              "s", "GB/s"]
+    assert "read amplification 1.000 (bytes read from storage / bytes the shards need, each rank its own)" in out
     assert "(runs: contiguous byte runs copied out of the files' memory mappings" in out
     code, out, err = _run_cli(capsys, "load", str(llama.path), "--no-map")
     assert code == 0, err
-    assert next(line for line in out.splitlines() if line.startswith("rank ")).split()[5] == "requests"
+    assert next(line for line in out.splitlines() if line.startswith("rank ")).split()[6] == "requests"
     assert "(runs:" not in out
 
 
@@ -606,8 +612,8 @@ def test_legacy_amplification_is_over_what_the_shards_need(capsys, llama):
     assert planner.stats.bytes_needed == sum(e.nbytes for e in reader.entries.values()) > 3 * planner.shard_bytes
     code, out, err = _run_cli(capsys, "load", str(llama.path), "--loader", "legacy")
     assert code == 0, err
-    assert ("read amplification 1.000 (bytes read / bytes the shards need; the legacy loader reads whole tensors, "
-            "then keeps the shards); loaded ") in out  # one rank: its shards are the whole tensors
+    assert ("read amplification 1.000 (bytes read from storage / bytes the shards need, each rank its own; the "
+            "legacy loader reads whole tensors, then keeps the shards)\nloaded ") in out  # one rank: whole tensors
 
 
 def test_load_save_to_writes_the_checkpoint_back(capsys, llama, tmp_path):
@@ -703,7 +709,73 @@ def test_plan_with_span_ownership_reads_the_checkpoint_once(capsys, llama):
         assert rank["bytes_to_read"] == sum(f["bytes"] for f in rank["files"].values())
     code, out, err = _run_cli(capsys, *args, "always")
     assert code == 0, err
-    assert "from peers" in out and "span ownership: each needed byte is read by one rank" in out
+    assert "received from peers" in out and "span ownership: each needed byte is read from storage by one rank" in out
+
+
+def test_plan_cooperation_figures_name_what_they_count(capsys, llama):
+    """Cooperating on HSDP x TP, with a coalescing gap: each rank's bytes read from storage and
+    received from peers, and the cluster's figures: its reads over the checkpoint bytes it needs,
+    each counted once (not over the ranks' needs summed, which count a replicated byte twice),
+    and holes that are never negative."""
+    args = ("plan", str(llama.path), "--mesh", "dp_replicate=2,tp=2", "--cooperate", "always", "--no-map",
+            "--coalesce-gap", "64")
+    code, out, err = _run_cli(capsys, *args, "--json")
+    assert code == 0, err
+    plan = json.loads(out)
+    cluster, ranks, checkpoint = plan["cluster"], plan["ranks"], plan["checkpoint_bytes"]
+    assert cluster["bytes_needed_once"] == checkpoint  # every byte is needed by some rank
+    # two replicas, and inside each the bytes both TP ranks need (norms, the halves of rows)
+    assert cluster["bytes_needed_by_shards"] == sum(r["bytes_needed"] for r in ranks) > 2 * checkpoint
+    assert cluster["bytes_read"] == sum(r["bytes_to_read"] for r in ranks) == checkpoint
+    assert cluster["holes"] == 0 and cluster["read_amplification"] == 1.0
+    assert cluster["bytes_received"] == sum(r["bytes_from_peers"] for r in ranks) > 0
+    for rank in ranks:  # what a rank needs and does not read itself, it receives
+        assert 0 < rank["bytes_from_peers"] <= rank["bytes_needed"]
+    code, out, err = _run_cli(capsys, *args)
+    assert code == 0, err
+    header = next(line for line in out.splitlines() if line.startswith("rank "))
+    assert "read from storage" in header and "received from peers" in header and "sent to peers" in header
+    assert f"cluster read amplification 1.000 (bytes read from storage / the {fmt_bytes(checkpoint)} of the " in out
+    assert "of what they read, 0 B are holes no rank needs" in out
+    assert f"the ranks' shards need {fmt_bytes(cluster['bytes_needed_by_shards'])} in all" in out
+    assert f"{fmt_bytes(cluster['bytes_received'])} received in all" in out
+
+
+def _cli_load_output(rank: int, world: int, argv: list[str]) -> tuple[int, str]:
+    """``hp-dcp-hf load ARGV`` on this rank of a launched group: its exit code and what it printed."""
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(["load", *argv])
+    return code, out.getvalue()
+
+
+def test_load_table_cooperating_names_bytes_read_from_storage_and_received(llama):
+    """Two HSDP replicas cooperating: each rank reads part of the checkpoint from storage and
+    receives the rest from the other; the table has a column for both, and the amplification is
+    the cluster's: its reads over the checkpoint bytes it needs, each counted once (1.000, where
+    bytes read over the ranks' needs summed would be 0.500)."""
+    argv = [str(llama.path), "--mesh", "dp_replicate=2", "--cooperate", "always"]
+    (code, text), (other, quiet) = run_ranks(2, _cli_load_output, [*argv, "--json"], timeout=300)
+    assert code == other == 0 and quiet == ""  # rank 0 prints for both
+    rows = json.loads(text)["ranks"]
+    from hp_dcp_hf.toolkit import inspect_checkpoint
+
+    checkpoint = inspect_checkpoint(str(llama.path))["tensor_bytes"]
+    assert all(r["cooperating"] and r["bytes_needed_once"] == checkpoint for r in rows)
+    assert sum(r["bytes_read"] for r in rows) == checkpoint
+    for r in rows:  # each replica needs every byte: what it did not read, it received
+        assert r["bytes_needed"] == checkpoint == r["bytes_read"] + r["bytes_received"] and r["bytes_received"] > 0
+    (code, text), _ = run_ranks(2, _cli_load_output, argv, timeout=300)
+    assert code == 0
+    header = next(line for line in text.splitlines() if line.startswith("rank "))
+    assert header.split()[:9] == ["rank", "bytes", "needed", "read", "from", "storage", "received", "from", "peers"]
+    assert (f"cluster read amplification 1.000 (the {fmt_bytes(checkpoint)} the ranks read from storage / the "
+            f"{fmt_bytes(checkpoint)} of the checkpoint they read for, each byte counted once); the ranks' shards "
+            f"need {fmt_bytes(2 * checkpoint)} in all") in text
+    assert f"{fmt_bytes(sum(r['bytes_received'] for r in rows))} received in all" in text
 
 
 # -- --unexpected --------------------------------------------------------------------------------

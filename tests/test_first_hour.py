@@ -158,8 +158,22 @@ def test_missing_keys_from_another_architecture_say_what_config_json_names(mixtr
     with pytest.raises(ArchitectureMismatchError) as caught:
         load_hf_checkpoint(model, str(mixtral_checkpoint.path))
     message = str(caught.value)
-    assert "'mixtral' model (architectures ['MixtralForCausalLM'])" in message
+    assert message.startswith("file 'config.json': config.json names model_type 'mixtral' (architectures "
+                              "['MixtralForCausalLM']), but the model is a 'llama' one (LlamaForCausalLM)")
+    assert "model_cls" not in message  # load_hf_checkpoint takes no model class
     assert "the checkpoint makes no value for" in message  # the missing keys are still listed
+
+
+def test_shapes_from_another_architecture_say_first_what_config_json_names(mixtral_checkpoint):
+    """A Llama of other sizes than the Mixtral checkpoint's: the shapes disagree (a MappingError
+    listing each tensor), and the first words say why: config.json names mixtral."""
+    model = materialize(build_skeleton(tiny_config("llama", hidden_size=48), model_class("llama")))
+    with pytest.raises(ArchitectureMismatchError) as caught:
+        load_hf_checkpoint(model, str(mixtral_checkpoint.path))
+    message = str(caught.value)
+    assert message.startswith("file 'config.json': config.json names model_type 'mixtral'"), message
+    assert "hp_dcp_hf.from_pretrained(path) builds one from config.json" in message and "model_cls" not in message
+    assert "model tensors do not match the checkpoint" in message  # the shapes are still listed
 
 
 # -- nested state dicts --------------------------------------------------------------------------
@@ -240,3 +254,31 @@ def test_a_failed_load_under_torchrun_prints_one_line_from_rank_0(tiny_checkpoin
     assert ours.endswith("': model.safetensors.index.json maps keys to a missing file"), ours
     assert "Global metadata is not found" not in run.stderr
     assert "hp_dcp_hf/" not in run.stderr  # no traceback through our code; torchrun's own summary may follow
+
+
+def test_output_piped_into_a_reader_that_stops_early_ends_quietly(mixtral_checkpoint):
+    """``hp-dcp-hf inspect PATH --tensors | head -1``: the reader is gone before the listing is
+    printed; the command exits 0 without an error line (nor Python's "Exception ignored")."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-m", "hp_dcp_hf", "inspect", str(mixtral_checkpoint.path), "--tensors"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=REPO)
+    proc.stdout.close()  # as head does after its line, here before the first one: every print hits a closed pipe
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 0, err
+    assert err == ""
+
+
+def test_a_broken_pipe_that_is_not_stdout_is_still_an_error(capsys, mixtral_checkpoint, monkeypatch):
+    """A ``BrokenPipeError`` from elsewhere (a connection to storage) while stdout is fine is an
+    error, as any other."""
+    from hp_dcp_hf import cli, toolkit
+
+    def broken(*args, **kwargs):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(toolkit, "inspect_checkpoint", broken)
+    read_end, write_end = os.pipe()  # stdout a pipe whose reader is still there
+    with os.fdopen(write_end, "w") as stdout, os.fdopen(read_end) as _:
+        monkeypatch.setattr(sys, "stdout", stdout)
+        assert cli.main(["inspect", str(mixtral_checkpoint.path)]) == 1
+    assert capsys.readouterr().err == "hp-dcp-hf: error: BrokenPipeError: [Errno 32] Broken pipe\n"

@@ -36,7 +36,7 @@ def test_parse_mesh(spec, sizes, world):
 
 
 @pytest.mark.parametrize(("spec", "message"), [
-    ("pp=2", "unknown dims ['pp']"),
+    ("pp=2", "unknown dim 'pp'; known: dp_replicate, dp, tp, ep"),  # as near to dp, tp and ep: no guess
     ("dp=2,dp=2", "names 'dp' twice"),
     ("dp", "expected name=size"),
     ("tp=0", "every size an integer >= 1"),
@@ -46,6 +46,23 @@ def test_parse_mesh(spec, sizes, world):
 def test_parse_mesh_errors(spec, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
         parse_mesh(spec)
+
+
+@pytest.mark.parametrize(("spec", "named"), [
+    ("fsdp=2,tp=2", "'fsdp' (did you mean dp?)"),                   # FSDP's own name
+    ("dp_shard=4", "'dp_shard' (did you mean dp?)"),                # torchtitan's
+    ("fsdp_size=2", "'fsdp_size' (did you mean dp?)"),              # transformers' DistributedConfig field
+    ("data_parallel_replicate_degree=2", "(did you mean dp_replicate?)"),
+    ("dp=2,tq=2", "'tq' (did you mean tp?)"),                       # typos of one dim
+    ("dp_replcate=2,dp=2", "'dp_replcate' (did you mean dp_replicate?)"),
+    ("fsdp=2,tq=2", "dims 'fsdp' (did you mean dp?), 'tq' (did you mean tp?)"),
+])
+def test_unknown_mesh_dims_suggest_the_dim_meant(spec, named):
+    with pytest.raises(ValueError) as caught:
+        parse_mesh(spec)
+    assert str(caught.value).startswith(f"mesh spec {spec!r}: unknown dim") and named in str(caught.value)
+    assert str(caught.value).endswith("known: dp_replicate, dp, tp, ep (dp is FSDP's sharding, dp_replicate HSDP's "
+                                      "replicas)")
 
 
 def test_distributed_config_follows_transformers_names():

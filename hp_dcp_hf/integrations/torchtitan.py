@@ -27,6 +27,7 @@ from __future__ import annotations
 import inspect
 import os
 import re
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -48,6 +49,22 @@ from hp_dcp_hf.mapping.stages import add_weight_mapping
 from hp_dcp_hf.planner import LoadReport
 from hp_dcp_hf.storage import HFStorageReader
 from hp_dcp_hf.written import own_state_dict
+
+
+def missing_torchtitan(version: tuple[int, ...] = tuple(sys.version_info)) -> str:
+    """What to do when torchtitan cannot be imported: install the extra, or, on a Python older
+    than torchtitan 0.3 supports (3.11), know that the extra installed nothing."""
+    if tuple(version[:2]) < (3, 11):
+        return (f"hp_dcp_hf.integrations.torchtitan needs torchtitan, and torchtitan 0.3 needs Python >= 3.11: "
+                f"this is Python {'.'.join(map(str, version[:3]))}, where the [torchtitan] extra installs nothing")
+    return ("hp_dcp_hf.integrations.torchtitan needs torchtitan: pip install 'hp-dcp-hf[torchtitan]' (from a "
+            "checkout: pip install -e '.[torchtitan]')")
+
+
+try:
+    import torchtitan  # noqa: F401 - its models are what this module maps
+except ImportError as error:
+    raise ImportError(missing_torchtitan()) from error
 
 __all__ = ["hf_weights_mapping", "load_hf_checkpoint", "model_tensors", "record_fused_qkv", "save_hf_checkpoint"]
 

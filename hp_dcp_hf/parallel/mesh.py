@@ -30,6 +30,29 @@ DENSE_DIMS = ("dp_replicate", "dp", "tp")
 
 _CONFIG_FIELDS = {"dp_replicate": "dp_replicate_size", "dp": "fsdp_size", "tp": "tp_size", "ep": "ep_size"}
 
+_OTHER_NAMES = {
+    **{field: dim for dim, field in _CONFIG_FIELDS.items()},  # transformers' DistributedConfig fields
+    "fsdp": "dp", "dp_shard": "dp", "hsdp": "dp_replicate", "replicate": "dp_replicate", "ddp": "dp_replicate",
+    # torchtitan's ParallelismConfig degrees
+    "data_parallel_shard_degree": "dp", "data_parallel_replicate_degree": "dp_replicate",
+    "tensor_parallel_degree": "tp", "expert_parallel_degree": "ep",
+}
+"""What other tools call the mesh dims (FSDP's ``fsdp``, torchtitan's ``dp_shard``): the dim to suggest."""
+
+
+def _did_you_mean(name: str) -> str:
+    """`` (did you mean dp?)`` for another tool's name of a dim, or a near miss of one known dim
+    (``tq``: tp; not ``pp``, as near to dp, tp and ep), else ``""``."""
+    import difflib
+
+    known = _OTHER_NAMES.get(name.lower())
+    if known is None:
+        scores = {dim: difflib.SequenceMatcher(None, name.lower(), dim).ratio() for dim in MESH_DIMS}
+        best = max(scores.values())
+        nearest = [dim for dim, score in scores.items() if score == best]
+        known = nearest[0] if best >= 0.5 and len(nearest) == 1 else None
+    return f" (did you mean {known}?)" if known else ""
+
 
 class MeshSizeError(MeshSpecError):
     """A mesh whose size does not match the process group it is built on."""
@@ -55,7 +78,9 @@ def parse_mesh(spec: str | Mapping[str, int]) -> dict[str, int]:
             sizes[name] = int(value)
     unknown = sorted(set(sizes) - set(MESH_DIMS))
     if unknown:
-        raise MeshSpecError(f"mesh spec {spec!r}: unknown dims {unknown}; known: {', '.join(MESH_DIMS)}")
+        named = ", ".join(f"{name!r}{_did_you_mean(name)}" for name in unknown)
+        raise MeshSpecError(f"mesh spec {spec!r}: unknown dim{'s' if len(unknown) > 1 else ''} {named}; known: "
+                            f"{', '.join(MESH_DIMS)} (dp is FSDP's sharding, dp_replicate HSDP's replicas)")
     if not sizes or any(not isinstance(size, int) or size < 1 for size in sizes.values()):
         raise MeshSpecError(f"mesh spec {spec!r}: need at least one dim, every size an integer >= 1")
     if "ep" in sizes and "dp" not in sizes:
