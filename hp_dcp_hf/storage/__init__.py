@@ -11,7 +11,16 @@ Four layers, each importing only the ones before it:
   and staging ring, span ownership and the exchange that shares read bytes between ranks.
 * :mod:`~hp_dcp_hf.storage.write`: the DCP ``StorageWriter`` (:class:`HFStorageWriter`), its
   destinations (local files, multipart uploads) and the parts each rank writes.
+
+:class:`HFStorageReader` and :class:`HFStorageWriter` are imported on first use (module
+``__getattr__``): they are torch's DCP ``StorageReader`` / ``StorageWriter``, and importing DCP costs
+seconds that reading headers (``hp-dcp-hf inspect``) does not need.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from hp_dcp_hf.storage.format.catalog import (
     INDEX_FILE,
@@ -30,11 +39,13 @@ from hp_dcp_hf.storage.format.header import (
     read_header,
 )
 from hp_dcp_hf.storage.format.ranges import Piece, Request, box_byte_ranges, coalesce, split_box
-from hp_dcp_hf.storage.read.reader import HFStorageReader
 from hp_dcp_hf.storage.transport.location import CheckpointLocation, RangeFile, filesystem, locate
 from hp_dcp_hf.storage.transport.remote import RetryPolicy
 from hp_dcp_hf.storage.transport.stats import FileStats, ReadStats
-from hp_dcp_hf.storage.write.writer import HFStorageWriter
+
+if TYPE_CHECKING:
+    from hp_dcp_hf.storage.read.reader import HFStorageReader
+    from hp_dcp_hf.storage.write.writer import HFStorageWriter
 
 __all__ = [
     "INDEX_FILE",
@@ -66,3 +77,13 @@ __all__ = [
     "scan",
     "split_box",
 ]
+
+_LAZY = {"HFStorageReader": "hp_dcp_hf.storage.read.reader", "HFStorageWriter": "hp_dcp_hf.storage.write.writer"}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = globals()[name] = getattr(importlib.import_module(module), name)
+    return value

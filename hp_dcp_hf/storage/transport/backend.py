@@ -372,8 +372,8 @@ class FirstAnswer:
 
     def unreachable(self, error: BaseException, what: str, file: str | None) -> UnreachableError:
         return UnreachableError(
-            f"{what}: no answer from {self.where} ({type(error).__name__}: {' '.join(str(error).split())}); "
-            f"not retried, the store never answered; {self.hint}",
+            f"{what} got no answer from {self.where} ({type(error).__name__}: {' '.join(str(error).split())}), "
+            f"not retried as it never answered; {self.hint}",
             file=file,
         )
 

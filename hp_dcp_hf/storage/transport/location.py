@@ -69,6 +69,7 @@ __all__ = [  # the backend interface and the fsspec backend, importable from her
     "as_backend",
     "backend_for_filesystem",
     "changed_error",
+    "check_options",
     "filesystem",
     "fill_views",
     "fsspec_error_is_transient",
@@ -135,9 +136,7 @@ def filesystem(
     if found is not None:
         return found
     try:
-        fs_class = None if "::" in text else fsspec.get_filesystem_class(fsspec.utils.get_protocol(text))
-        kind = _kind(fs_class)
-        check_storage_options(text, options, kind, fs_class)
+        kind = _check_fsspec_options(text, options)
         if kind == "s3":
             options = s3.metadata_options(options)
         fs, fspath = fsspec.core.url_to_fs(text, **options)
@@ -154,13 +153,35 @@ def filesystem(
     return backend_for_filesystem(fs, policy, concurrency=concurrency), fspath.rstrip("/") or fspath
 
 
-def _kind(fs_class: type | None) -> str:
-    """``"local"``, ``"s3"`` or ``"fsspec"``: which storage options and defaults a filesystem class gets."""
+def check_options(path: str | os.PathLike, storage_options: Mapping[str, Any] | None) -> None:
+    """Raise :class:`~hp_dcp_hf.errors.ArgumentError` when ``storage_options`` has a key the store
+    of ``path`` does not take (:mod:`hp_dcp_hf.storage.transport.options`); no I/O, no filesystem is
+    made: the CLI asks before it starts any rank."""
+    text, options = os.fspath(path), dict(storage_options or {})
+    store = None if _always_local(text) else remote.kind(text)
+    if store is not None:
+        check_storage_options(text, options, store)
+        return
+    try:
+        _check_fsspec_options(text, options)
+    except (ImportError, ValueError) as e:
+        if isinstance(e, ArgumentError):
+            raise
+        raise CheckpointNotFoundError(f"no filesystem for this path: {e}", file=text) from e
+
+
+def _check_fsspec_options(path: str, options: Mapping[str, Any]) -> str:
+    """Check ``options`` against the fsspec filesystem class of ``path``; its kind: ``"local"``,
+    ``"s3"`` (s3fs, which gets this package's retry defaults) or ``"fsspec"``."""
+    fs_class = None if "::" in path else fsspec.get_filesystem_class(fsspec.utils.get_protocol(path))
     if fs_class is not None and issubclass(fs_class, LocalFileSystem):
-        return "local"
-    if fs_class is not None and fs_class.__name__ == "S3FileSystem":
-        return "s3"
-    return "fsspec"
+        kind = "local"
+    elif fs_class is not None and fs_class.__name__ == "S3FileSystem":
+        kind = "s3"
+    else:
+        kind = "fsspec"
+    check_storage_options(path, options, kind, fs_class)
+    return kind
 
 
 def _always_local(path: str) -> bool:

@@ -346,7 +346,7 @@ class HttpBackend(Backend):
     """Checkpoints behind ``http(s)://`` URLs: the index names the files, reads are ranged GETs."""
 
     def __init__(self, retry: RetryPolicy | None = None, **options: Any) -> None:
-        check_storage_options(None, options, "http")
+        check_storage_options(None, options, "http")  # resolve() checked them naming the URL; here for direct use
         session_options = {k: options[k] for k in ("verify", "cert", "proxies") if k in options}
         self.client = HttpClient(retry or RetryPolicy(), options.get("headers"), session_options)
         # url -> size and ETag (None: absent), since the last locate()
@@ -463,7 +463,7 @@ class HubBackend(Backend):
         self.hint = hint
         self.retry = retry or RetryPolicy()
         self.first_answer = FirstAnswer(
-            _no_answer, f"the Hub at {self.fs.endpoint}", "check the endpoint (storage option endpoint= or HF_ENDPOINT)"
+            _no_answer, self.fs.endpoint, "check the endpoint (storage option endpoint= or HF_ENDPOINT)"
         )
         self._client: HttpClient | None = None
         self._lock = threading.Lock()
@@ -492,8 +492,8 @@ class HubBackend(Backend):
             return self.first_answer.run(
                 self.retry, fn, what=what, file=self.url(path), is_transient=_hub_error_is_transient
             )
-        except UnreachableError:
-            raise
+        except UnreachableError as e:
+            raise UnreachableError(f"the Hub could not be reached at {self.fs.endpoint}: {e.reason}", file=e.file) from e
         except StorageReadError as e:
             if not _no_answer(e.__cause__):
                 raise
@@ -637,13 +637,25 @@ def _is_bare_repo_id(path: str) -> bool:
     return "://" not in path and bool(_BARE_REPO.match(path)) and not os.path.exists(path.split("@", 1)[0])
 
 
+def kind(path: str) -> str | None:
+    """``"http"`` for http(s) URLs, ``"hub"`` for Hub repos, ``None`` for everything fsspec handles."""
+    if re.match(r"^https?://", path, re.IGNORECASE):
+        return "http"
+    if path.startswith("hf://") or _is_bare_repo_id(path):
+        return "hub"
+    return None
+
+
 def resolve(path: str, options: dict[str, Any], retry: RetryPolicy) -> tuple[Backend, str] | None:
     """The backend and path for http(s) URLs and Hub repos; ``None`` for everything fsspec handles."""
-    if re.match(r"^https?://", path, re.IGNORECASE):
+    store = kind(path)
+    if store is not None:
+        check_storage_options(path, options, store)
+    if store == "http":
         return HttpBackend(retry, **options), path
-    if path.startswith("hf://"):
+    if store == "hub" and path.startswith("hf://"):
         return HubBackend(retry, **options), path.removeprefix("hf://").rstrip("/")
-    if _is_bare_repo_id(path):
+    if store == "hub":
         hint = f" ({path!r} is no local path, so it was read as a Hub repo id)"
         return HubBackend(retry, hint=hint, **options), path
     return None

@@ -39,6 +39,7 @@ settings (fsspec shares its filesystems the same way), so a second load starts w
 from __future__ import annotations
 
 import contextlib
+import copy
 import http.client
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -82,7 +83,7 @@ _NO_RETRIES = {"total_max_attempts": 1}
 def metadata_options(options: dict[str, Any]) -> dict[str, Any]:
     """s3fs options with botocore's retries off unless ``config_kwargs.retries`` says otherwise."""
     config = dict(options.get("config_kwargs") or {})
-    config.setdefault("retries", _NO_RETRIES)
+    config.setdefault("retries", dict(_NO_RETRIES))  # a copy: botocore's Config writes into it
     return {**options, "config_kwargs": config}
 
 
@@ -146,7 +147,7 @@ def client_settings(fs: AbstractFileSystem, retry: RetryPolicy, concurrency: int
     config = {
         "connect_timeout": retry.connect_timeout_s,
         "read_timeout": retry.read_timeout_s,
-        "retries": _NO_RETRIES,
+        "retries": dict(_NO_RETRIES),
         **s3.config_kwargs,
     }
     config["max_pool_connections"] = max(config.get("max_pool_connections", _DEFAULT_POOL), concurrency or 0)
@@ -160,7 +161,7 @@ def _make_client(settings: dict[str, Any]) -> Any:
     from botocore import UNSIGNED
     from botocore.config import Config
 
-    config = dict(settings["config"])
+    config = copy.deepcopy(settings["config"])  # botocore's Config writes into its ``retries``
     if settings["anon"]:
         config["signature_version"] = UNSIGNED
     session = botocore.session.Session(**settings["session"])
