@@ -458,14 +458,15 @@ def _launch(args: argparse.Namespace) -> int:
     ``DistributedConfig``). A failure, here or on any rank, is one line: the first rank's error."""
     from hp_dcp_hf.errors import ArgumentError
     from hp_dcp_hf.parallel.mesh import distributed_config
-    from hp_dcp_hf.pipeline import read_config
 
     world = args.nproc_per_node
     if world < 1:
         raise ArgumentError(f"--nproc-per-node {world}: need at least 1 process")
     mesh = args.mesh or f"dp={world}"
-    _check_launch(args, mesh, 0, world)
+    _check_launch(args, mesh, 0, world)  # before anything imports torch
     distributed_config(mesh)
+    from hp_dcp_hf.pipeline import read_config
+
     with _config_from_the_command_line():
         read_config(args.path, args.storage_options)
     from hp_dcp_hf.launch import run_ranks
