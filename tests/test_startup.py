@@ -124,7 +124,7 @@ def _one_error_line(proc: subprocess.CompletedProcess, rc: int | None = None) ->
 
 @pytest.mark.parametrize(("argv", "message"), [
     (["--mesh", "dp=2,tp=2"], "mesh dp=2,tp=2 needs 4 ranks, but 2 processes were launched; pass --nproc-per-node 4"),
-    (["--mesh", "fsdp=2"], "mesh spec 'fsdp=2': unknown dims ['fsdp']"),
+    (["--mesh", "fsdp=2"], "mesh spec 'fsdp=2': unknown dim 'fsdp' (did you mean dp?)"),
     (["--storage-option", "endpoint=x"], "unknown storage option 'endpoint' for local files"),
 ])
 def test_nproc_per_node_checks_before_starting_ranks(llama, argv, message) -> None:
