@@ -3,6 +3,7 @@
     hp-dcp-hf inspect PATH [--tensors] [--match REGEX] [--json]
     hp-dcp-hf plan PATH --mesh dp=2,tp=2 [--transforms fuse_qkv,...] [--items] [--json]
     torchrun --nproc-per-node 4 -m hp_dcp_hf load PATH --mesh dp=2,tp=2 [--forward] [--json]
+    hp-dcp-hf load PATH --mesh dp=2,tp=2 --nproc-per-node 4     (one host, ranks started by the package)
     hp-dcp-hf repair PATH [--dry-run]
     hp-dcp-hf demo [--out DIR] [--cache-dir DIR]
 
@@ -380,10 +381,10 @@ def _unexpected_line(keys: Sequence[str]) -> str:
 
 def _launched_rank_and_world() -> tuple[int, int]:
     """This process' rank and world size: the process group's, else torchrun's ``RANK`` /
-    ``WORLD_SIZE``, else a world of one."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
+    ``WORLD_SIZE``, else a world of one. Asks torch only where it is imported already (no process
+    group exists without it), so a bad mesh fails before torch is imported."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -402,18 +403,28 @@ def _init_distributed() -> tuple[int, int]:
 
 
 def _check_launch(args: argparse.Namespace, mesh: str, rank: int, world: int) -> bool:
-    """Whether the mesh fits the processes launched. When it does not, rank 0 raises the error
-    naming the ``torchrun`` command that fits (printed once) and the other ranks return ``False``."""
+    """Whether the mesh spec parses and fits the processes launched, and the storage options are
+    ones the stores take (checked before torch is imported). When not, rank 0 raises the error (for
+    a mesh that does not fit: naming the command that does), printed once, and the other ranks
+    return ``False``."""
     from hp_dcp_hf.parallel.mesh import MeshSizeError, mesh_world_size
+    from hp_dcp_hf.storage.transport.location import check_options
 
     try:
         need = mesh_world_size(mesh)
         if need != world:
             argv = getattr(args, "argv", None) or ["load", args.path, "--mesh", mesh]
+            if args.nproc_per_node is not None:
+                fix = f"pass --nproc-per-node {need}"
+            else:
+                fix = f"launch with `torchrun --nproc-per-node {need} -m hp_dcp_hf {shlex.join(argv)}`"
             raise MeshSizeError(
                 f"mesh {mesh} needs {need} ranks, but {world} process{'es were' if world != 1 else ' was'} "
-                f"launched; launch with `torchrun --nproc-per-node {need} -m hp_dcp_hf {shlex.join(argv)}`"
+                f"launched; {fix}"
             )
+        check_options(args.path, args.storage_options)
+        if args.save_to:
+            check_options(args.save_to, _save_options(args))
     except Exception:
         if rank != 0:
             return False  # rank 0 says why, once
@@ -421,13 +432,77 @@ def _check_launch(args: argparse.Namespace, mesh: str, rank: int, world: int) ->
     return True
 
 
+def _save_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The storage options of ``--save-to``: ``--save-storage-option``'s, else ``--storage-option``'s."""
+    return args.storage_options if args.save_storage_options is None else args.save_storage_options
+
+
 def cmd_load(args: argparse.Namespace) -> int:
+    if args.nproc_per_node is not None:
+        with _messages():
+            return _launch(args)
     rank, world = _launched_rank_and_world()
     with _messages(rank):
         return _load(args, rank, world)
 
 
+_LAUNCH_TIMEOUT_S = 3600.0
+"""How long ``--nproc-per-node`` ranks may take (and wait for each other, the process group's timeout)."""
+
+
+def _launch(args: argparse.Namespace) -> int:
+    """``load --nproc-per-node N``: one host's N ranks started by the package's own runner
+    (:func:`hp_dcp_hf.launch.run_ranks`, gloo). Everything that can be checked is checked first, in
+    this process: the mesh spec and that it needs N ranks, the storage options, and the checkpoint's
+    ``config.json`` (transformers' config of a known model type, the mesh as transformers'
+    ``DistributedConfig``). A failure, here or on any rank, is one line: the first rank's error."""
+    from hp_dcp_hf.errors import ArgumentError
+    from hp_dcp_hf.parallel.mesh import distributed_config
+
+    world = args.nproc_per_node
+    if world < 1:
+        raise ArgumentError(f"--nproc-per-node {world}: need at least 1 process")
+    mesh = args.mesh or f"dp={world}"
+    _check_launch(args, mesh, 0, world)  # before anything imports torch
+    distributed_config(mesh)
+    from hp_dcp_hf.pipeline import read_config
+
+    with _config_from_the_command_line():
+        read_config(args.path, args.storage_options)
+    from hp_dcp_hf.launch import run_ranks
+
+    argv = list(getattr(args, "argv", None) or [])
+    return run_ranks(world, _launched_load, _without_nproc(argv), timeout=_LAUNCH_TIMEOUT_S)[0]
+
+
+def _without_nproc(argv: Sequence[str]) -> list[str]:
+    """``argv`` less its ``--nproc-per-node N`` (or ``--nproc-per-node=N``): what each rank runs."""
+    out: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--nproc-per-node":
+            skip = True
+        elif not arg.startswith("--nproc-per-node="):
+            out.append(arg)
+    return out
+
+
+def _launched_load(rank: int, world: int, argv: list[str]) -> int:
+    """One rank of ``load --nproc-per-node``: the command line without the option, in the process
+    group :func:`~hp_dcp_hf.launch.run_ranks` made. Errors go back to the launcher, which prints
+    the first one; this rank prints none."""
+    args = build_parser().parse_args(argv)
+    args.argv, args.launched = argv, True
+    return cmd_load(args)
+
+
 def _load(args: argparse.Namespace, rank: int, world: int) -> int:
+    mesh = args.mesh or f"dp={world}"
+    if not _check_launch(args, mesh, rank, world):
+        return 1
+
     import torch
     import torch.distributed as dist
 
@@ -441,9 +516,6 @@ def _load(args: argparse.Namespace, rank: int, world: int) -> int:
         reads_mapped,
     )
 
-    mesh = args.mesh or f"dp={world}"
-    if not _check_launch(args, mesh, rank, world):
-        return 1
     rank, world = _init_distributed()
     try:
         parallelize = parallelize_for(mesh)
@@ -470,7 +542,7 @@ def _load(args: argparse.Namespace, rank: int, world: int) -> int:
             from hp_dcp_hf.storage import HFStorageWriter
 
             save_dtype = _save_dtype(args.save_dtype, reader.entries.values(), quantized=args.save_quantize is not None)
-            save_options = args.storage_options if args.save_storage_options is None else args.save_storage_options
+            save_options = _save_options(args)
             max_shard_size = args.max_shard_size or _source_shard_size(reader.entries.values(), save_dtype)
             writer = HFStorageWriter(args.save_to, max_shard_size=max_shard_size, dtype=save_dtype,
                                      progress=SaveProgress() if rank == 0 else None, **save_options)
@@ -495,7 +567,7 @@ def _load(args: argparse.Namespace, rank: int, world: int) -> int:
         rows: list[dict[str, Any]] = [{}] * world
         dist.all_gather_object(rows, row)
     except Exception as error:
-        if world > 1 and getattr(error, "rank", None) is not None:
+        if world > 1 and getattr(error, "rank", None) is not None and not getattr(args, "launched", False):
             _say_once(error, rank)
         raise
     finally:
@@ -732,6 +804,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-storage-option", action=_StorageOptions, dest="save_storage_options", default=None,
                    metavar="KEY=VALUE", help="with --save-to: an option of DIR's store, as --storage-option, "
                                              "repeatable (default: those of --storage-option)")
+    p.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
+                   help="start N ranks on this host (gloo) instead of running under torchrun; the mesh, storage "
+                        "options and config.json are checked before any rank starts, and a failure prints one "
+                        "line (default: the ranks torchrun launched, or one process)")
     p.set_defaults(func=cmd_load)
 
     p = command("repair", "finish a save that was killed while publishing (its journal is the commit point), "

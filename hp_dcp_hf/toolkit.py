@@ -32,15 +32,17 @@ from hp_dcp_hf.errors import QuantizationError
 from hp_dcp_hf.mapping.families import natural_sorted
 from hp_dcp_hf.model_dtype import AUTO, DtypeSpec, resolve_dtype
 from hp_dcp_hf.parallel.mesh import DENSE_DIMS, mesh_world_size, parse_mesh
-from hp_dcp_hf.storage import INDEX_FILE, HFStorageReader, ReadStats, filesystem, locate, scan
+from hp_dcp_hf.storage import INDEX_FILE, ReadStats, filesystem, locate, scan
 from hp_dcp_hf.storage.format.catalog import QUANTIZATION_CONFIG, Catalog
 from hp_dcp_hf.storage.format.journal import SINGLE_FILE, leftovers_warning
-from hp_dcp_hf.storage.read.reader import unfinished_save
+from hp_dcp_hf.storage.read.leftovers import unfinished_save
 from hp_dcp_hf.storage.transport.stats import FileStats
 
 if TYPE_CHECKING:
     from hp_dcp_hf.parallel import TransformersPlans
     from hp_dcp_hf.planner import HFMappingPlanner, Unexpected
+    from hp_dcp_hf.storage import HFStorageReader
+    from hp_dcp_hf.storage.read.recording import RecordingReader
     from hp_dcp_hf.storage.read.spans import ClusterPlan, Traffic
 
 __all__ = [
@@ -58,6 +60,15 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+
+def __getattr__(name: str) -> Any:
+    # RecordingReader is a DCP StorageReader: imported when asked for, so inspect never imports DCP
+    if name == "RecordingReader":
+        from hp_dcp_hf.storage.read.recording import RecordingReader
+
+        return RecordingReader
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 # -- formatting ---------------------------------------------------------------------------------
 
@@ -280,6 +291,7 @@ def plan_ranks(
 
     from hp_dcp_hf.pipeline import read_config, resolve_model_class
     from hp_dcp_hf.planner import HFMappingPlanner
+    from hp_dcp_hf.storage import HFStorageReader
 
     if dist.is_initialized():
         raise RuntimeError("plan runs without a process group; call it outside torchrun / init_process_group")
@@ -434,18 +446,6 @@ def reads_mapped(reader: HFStorageReader) -> bool:
     ``requests`` then count contiguous byte runs copied (one per row of a row-sharded box), not
     requests to storage (see :mod:`hp_dcp_hf.storage.transport.stats`)."""
     return reader._maps
-
-
-class RecordingReader(HFStorageReader):
-    """An :class:`HFStorageReader` that keeps every request it issues (``reads``: ``(file, start,
-    end)``, coalescing gaps included)."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, record_requests=True, **kwargs)
-
-    @property
-    def reads(self) -> list[tuple[str, int, int]]:
-        return self.requests_log
 
 
 PROGRESS_EVERY_S = 5.0

@@ -111,7 +111,9 @@ def test_a_hub_nothing_answered_for_could_not_be_reached(
     assert info.value.reason.startswith(f"{prefix}the Hub could not be reached at {endpoint}: "), (
         info.value.reason
     )
-    assert "answered" not in info.value.reason and "last error" in info.value.reason
+    # nothing ever answered: refused at once, not retried (the first-answer rule)
+    assert f"resolve got no answer from {endpoint} (ConnectError" in info.value.reason
+    assert "not retried as it never answered" in info.value.reason and "Hub answered" not in info.value.reason
     assert info.value.file == "hf://org/repo"
 
 

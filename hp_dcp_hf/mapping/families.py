@@ -13,15 +13,10 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
 from operator import itemgetter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from transformers.core_model_loading import (
-    WeightConverter,
-    WeightRenaming,
-    WeightTransform,
-    dot_natural_key,
-    rename_source_key,
-)
+if TYPE_CHECKING:  # imported where used: transformers' core_model_loading imports torch.distributed.tensor
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, WeightTransform
 
 # A whole dot-separated component that is a decimal integer (``w1`` and ``shard_2`` stay literal,
 # as transformers' natural sort treats them).
@@ -90,6 +85,22 @@ class Template:
         return self._key(indices)
 
 
+def dot_natural_key(name: str) -> list[tuple[Any, ...]]:
+    """transformers' ``core_model_loading.dot_natural_key``, the order of its state-dict names: dot
+    components, digits by value before text, a text's trailing digits by value. Restated here so
+    that sorting names (``inspect``) imports no transformers, whose module costs seconds of
+    ``torch.distributed.tensor`` imports; ``tests/test_startup.py`` checks that both agree."""
+    parts: list[tuple[Any, ...]] = []
+    for part in name.split("."):
+        if part.isdigit():
+            parts.append((0, int(part)))
+            continue
+        text = part.rstrip("0123456789")
+        digits = part[len(text):]
+        parts.append((1, text, int(digits)) if digits else (1, text))
+    return parts
+
+
 class NaturalKeys:
     """transformers' ``dot_natural_key``, computed once per family and filled with the indices."""
 
@@ -126,6 +137,8 @@ def natural_sorted(names: Collection[str]) -> tuple[str, ...]:
 def _index_blind(stage: Sequence[WeightTransform]) -> bool:
     """Whether the stage renames every member of a family alike: its source patterns and scopes
     name no particular index, and no transform renames statefully (``GroupWeightRename``)."""
+    from transformers.core_model_loading import WeightTransform
+
     for transform in stage:
         if type(transform).rename_source_key is not WeightTransform.rename_source_key:
             return False
@@ -136,6 +149,8 @@ def _index_blind(stage: Sequence[WeightTransform]) -> bool:
 
 
 def split_kinds(stage: Sequence[WeightTransform]) -> tuple[list[WeightRenaming], list[WeightConverter]]:
+    from transformers.core_model_loading import WeightConverter, WeightRenaming
+
     return (
         [t for t in stage if isinstance(t, WeightRenaming)],
         [t for t in stage if isinstance(t, WeightConverter)],
@@ -156,6 +171,9 @@ class StageRenamer:
 
     def __init__(self, stage: Sequence[WeightTransform], *, prefix: str | None = None,
                  known: Any = None, share: bool = True) -> None:
+        from transformers.core_model_loading import rename_source_key
+
+        self._rename_source_key = rename_source_key
         self._renamings, self._converters = split_kinds(stage)
         self._prefix, self._known = prefix, known
         self._share = share and _index_blind(stage)
@@ -173,7 +191,7 @@ class StageRenamer:
         return entry[:2] if entry is not None and entry is not _UNSEEN and entry[2] else None
 
     def real(self, name: str) -> tuple[str, str | None]:
-        return rename_source_key(name, self._renamings, self._converters, self._prefix, self._known)
+        return self._rename_source_key(name, self._renamings, self._converters, self._prefix, self._known)
 
     def __call__(self, name: str, skeleton: str, indices: tuple[int, ...]) -> tuple[str, str | None, bool]:
         """``(renamed, pattern, templated)``: ``templated`` when the name was filled in a template."""

@@ -4,12 +4,12 @@ load records the checkpoint mapping it applied (for the save to invert)."""
 from __future__ import annotations
 
 import copy
+import sys
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from transformers import PreTrainedModel
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import WeightTransform
 
@@ -65,6 +65,14 @@ def recorded_checkpoint_mapping(model: nn.Module) -> list[WeightTransform] | Non
     return None if mapping is None else list(mapping)
 
 
+def _is_transformers_model(model: nn.Module) -> bool:
+    """``model`` is a transformers ``PreTrainedModel``. Asked of ``sys.modules``: no model is one
+    unless transformers' modeling stack is imported, and importing it here would cost a model of
+    one's own (torchtitan, plain torch) seconds of transformers and its FP8 kernels (``torch._dynamo``)."""
+    modeling = sys.modules.get("transformers.modeling_utils")
+    return modeling is not None and isinstance(model, modeling.PreTrainedModel)
+
+
 def model_stages(model: nn.Module, weights_mapping: Sequence[WeightTransform] | None) -> list[list[WeightTransform]]:
     """The checkpoint mapping (given, or transformers' for the model type) followed by the rewrites.
 
@@ -72,7 +80,7 @@ def model_stages(model: nn.Module, weights_mapping: Sequence[WeightTransform] | 
     mapping reused for another checkpoint must not carry the marks of the last one.
     """
     if weights_mapping is None:
-        if isinstance(model, PreTrainedModel):
+        if _is_transformers_model(model):
             with _original_classes(model):
                 weights_mapping = get_model_conversion_mapping(model, key_mapping=None, hf_quantizer=None)
         else:

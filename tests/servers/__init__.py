@@ -5,4 +5,5 @@
 * :mod:`tests.servers.fake_hub`: a fake Hugging Face Hub (the endpoints ``HfFileSystem`` and
   ranged downloads use), on the same machinery.
 * :mod:`tests.servers.s3`: moto's S3 server with its request recorder.
+* :mod:`tests.servers.silent`: a server that accepts connections and never answers.
 """

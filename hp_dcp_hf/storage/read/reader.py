@@ -52,7 +52,7 @@ from hp_dcp_hf.parallel.collectives import agree_on_failure, share_from_rank0, s
 from hp_dcp_hf.perf import paused_gc
 from hp_dcp_hf.storage.format.catalog import QUANTIZATION_CONFIG, Catalog, CheckpointTensor, find_files, scan
 from hp_dcp_hf.storage.format.header import TensorEntry
-from hp_dcp_hf.storage.format.journal import leftovers, leftovers_warning
+from hp_dcp_hf.storage.format.journal import leftovers_warning
 from hp_dcp_hf.storage.format.ranges import (
     Piece,
     Request,
@@ -64,13 +64,13 @@ from hp_dcp_hf.storage.format.ranges import (
 )
 from hp_dcp_hf.storage.read.copy import copy_into
 from hp_dcp_hf.storage.read.exchange import ExchangeStats, typed
+from hp_dcp_hf.storage.read.leftovers import unfinished_save
 from hp_dcp_hf.storage.read.ring import Copy, SlotCopier, StagingRing, StagingStats
 from hp_dcp_hf.storage.read.span_reads import SpanLoad, StoredTable, node_id, read_spans
 from hp_dcp_hf.storage.read.spans import SPAN_BYTES, SPAN_GAP, ClusterPlan, Traffic, traffic
-from hp_dcp_hf.storage.transport.fsspec_backend import DIRECT_IO_ALIGN, FsspecBackend
+from hp_dcp_hf.storage.transport.fsspec_backend import DIRECT_IO_ALIGN
 from hp_dcp_hf.storage.transport.location import CheckpointLocation, RangeFile, filesystem, locate
 from hp_dcp_hf.storage.transport.remote import RetryPolicy
-from hp_dcp_hf.storage.transport.s3 import S3Backend
 from hp_dcp_hf.storage.transport.stats import ReadStats
 
 _ALIGN = 16
@@ -85,21 +85,6 @@ _LARGE_RANGE = 1 << 20
 is read with ``preadv`` even from a mappable file: copying out of a fresh mapping page-faults
 through the same bytes (15-20% slower on contiguous 8 MiB batches here). Mappings win on strided
 boxes, where ranged reads cost a call per row."""
-
-
-def unfinished_save(location: CheckpointLocation) -> list[str]:
-    """What a running or dead save left in the checkpoint's directory (its journal, lock, staging),
-    by name; seen in a listing that costs no request: the local directory's, or on S3 the one
-    s3fs cached when the scan listed the prefix (read from its cache, never asked for). Saves go
-    to local directories and S3 only."""
-    backend = location.backend
-    with contextlib.suppress(OSError, ValueError):
-        if isinstance(backend, FsspecBackend) and backend.local:
-            return leftovers(os.listdir(location.root))
-        if isinstance(backend, S3Backend):  # never a request: without s3fs's listings cache, no check
-            listed = backend.fs.dircache.get(location.root.rstrip("/")) or []
-            return leftovers(entry["name"].rstrip("/").rsplit("/", 1)[-1] for entry in listed)
-    return []
 
 
 def _aligned(nbytes: int) -> int:

@@ -6,7 +6,8 @@ and :mod:`~hp_dcp_hf.storage.transport.location` depend on (and which depends on
 * :class:`RangeFile`: one open file read by absolute byte ranges into the caller's buffers;
 * :class:`FileVersion` and :func:`changed_error`: a file as its header described it, and the error
   of one that changed since;
-* :class:`RetryPolicy` and :class:`TransientError`: how remote reads retry;
+* :class:`RetryPolicy` and :class:`TransientError`: how remote reads retry, and
+  :class:`FirstAnswer`: a store that never answered fails at once, as :class:`UnreachableError`;
 * :func:`read_ranged`: the resumable loop of ranged answers whose bodies are read straight into
   the caller's buffers, shared by the HTTP(S), Hub and S3 backends.
 """
@@ -234,6 +235,11 @@ class TransientError(StorageReadError):
         self.retry_after = retry_after
 
 
+class UnreachableError(StorageReadError):
+    """No answer came from the store at all (connection refused, no route, name not resolved, timeouts),
+    on every try: nothing was found missing or refused, so errors say so rather than "answered"."""
+
+
 @dataclass(frozen=True)
 class RetryPolicy:
     """How remote reads retry: ``attempts`` tries per request within ``deadline_s``.
@@ -244,6 +250,11 @@ class RetryPolicy:
     bound each HTTP(S), Hub and S3 data try (S3 ``config_kwargs={"connect_timeout": ...,
     "read_timeout": ...}`` in the storage options take precedence). So a persistent failure raises
     after at most about ``deadline_s`` plus one try's timeouts.
+
+    A store that has not answered yet is different: until its first answer (:class:`FirstAnswer`),
+    a request that gets none at all (connection refused, timed out, host not found) is not retried
+    and waits at most ``first_answer_timeout_s`` to connect and for the answer, so a wrong endpoint
+    or a dead host fails in seconds with :class:`UnreachableError`, not after the retry budget.
     """
 
     attempts: int = 5
@@ -252,11 +263,12 @@ class RetryPolicy:
     deadline_s: float = 120.0
     connect_timeout_s: float = 10.0
     read_timeout_s: float = 60.0
+    first_answer_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
         if self.attempts < 1 or min(self.backoff_s, self.max_backoff_s, self.deadline_s) < 0:
             raise ValueError(f"a retry policy needs attempts >= 1 and non-negative times, got {self}")
-        if min(self.connect_timeout_s, self.read_timeout_s) <= 0:
+        if min(self.connect_timeout_s, self.read_timeout_s, self.first_answer_timeout_s) <= 0:
             raise ValueError(f"a retry policy needs positive timeouts, got {self}")
 
     @classmethod
@@ -274,6 +286,12 @@ class RetryPolicy:
     @property
     def timeout(self) -> tuple[float, float]:
         return (self.connect_timeout_s, self.read_timeout_s)
+
+    @property
+    def first_timeout(self) -> tuple[float, float]:
+        """The (connect, read) timeouts of a request to a store that has not answered yet."""
+        return (min(self.connect_timeout_s, self.first_answer_timeout_s),
+                min(self.read_timeout_s, self.first_answer_timeout_s))
 
     def run(
         self,
@@ -311,6 +329,53 @@ class RetryPolicy:
                     ) from error
                 time.sleep(wait)
                 delay = min(delay * 2, self.max_backoff_s)
+
+
+class FirstAnswer:
+    """Whether a store has answered once, and the rule until it has: a request that gets no answer
+    at all (``no_answer`` of its error: refused, timed out, name not resolved) is not retried but
+    raises :class:`UnreachableError` naming ``where`` (the endpoint) and ``hint`` (what to set).
+    Failures with an answer (5xx, 429, a cut body) are retried under the policy as always, and once
+    the store has answered, every transient failure is (a store that was there is worth waiting for)."""
+
+    def __init__(self, no_answer: Callable[[BaseException], bool], where: str, hint: str) -> None:
+        self.answered = False
+        self.no_answer = no_answer
+        self.where = where
+        self.hint = hint
+
+    def run(
+        self,
+        retry: RetryPolicy,
+        attempt: Callable[[], T],
+        *,
+        what: str,
+        file: str | None,
+        is_transient: Callable[[BaseException], bool],
+    ) -> T:
+        """``retry.run(attempt, ...)`` under the first-answer rule."""
+
+        def transient(error: BaseException) -> bool:
+            return is_transient(error) and (self.answered or not self.no_answer(error))
+
+        try:
+            result = retry.run(attempt, what=what, file=file, is_transient=transient)
+        except Exception as error:
+            cause = error.__cause__ if isinstance(error, StorageReadError) and error.__cause__ else error
+            if not self.no_answer(cause):
+                self.answered = True  # an answer, if not the one hoped for (404, 403, 5xx)
+            elif not self.answered:
+                raise self.unreachable(cause, what, file) from error
+            raise
+        self.answered = True
+        return result
+
+    def unreachable(self, error: BaseException, what: str, file: str | None) -> UnreachableError:
+        return UnreachableError(
+            f"{what} got no answer from {self.where} ({type(error).__name__}: {' '.join(str(error).split())}), "
+            f"not retried as it never answered; {self.hint}",
+            file=file,
+        )
 
 
 # -- ranged answers -------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from hp_dcp_hf.storage.transport.backend import (
     REMOTE_COALESCE_GAP,
     Backend,
     FileVersion,
+    FirstAnswer,
     RangeFile,
     RetryPolicy,
     changed_error,
@@ -306,6 +307,12 @@ class FsspecBackend(Backend):
         if retry is None and not self.local:
             retry = RetryPolicy()
         self.retry = None if self.local else retry
+        self.first_answer: FirstAnswer | None = None
+        """The first-answer rule of metadata calls, for stores that have one (S3)."""
+
+    def is_transient(self, error: BaseException) -> bool:
+        """Whether a failed metadata call is worth another try."""
+        return fsspec_error_is_transient(error)
 
     def __repr__(self) -> str:
         return f"FsspecBackend({type(self.fs).__name__})"
@@ -323,17 +330,35 @@ class FsspecBackend(Backend):
         if self.retry is None:
             return fn()
         try:
-            return self.retry.run(fn, what=what, file=self.url(path), is_transient=fsspec_error_is_transient)
+            if self.first_answer is None:
+                return self.retry.run(fn, what=what, file=self.url(path), is_transient=self.is_transient)
+            return self.first_answer.run(self.retry, fn, what=what, file=self.url(path), is_transient=self.is_transient)
         except (HPDCPHFError, FileNotFoundError):
             raise
         except Exception as e:  # credentials, permissions, ...: one typed error on every rank
             raise StorageReadError(f"{what} failed: {type(e).__name__}: {e}", file=self.url(path)) from e
 
     def isfile(self, path: str) -> bool:
-        return self._call("isfile", path, lambda: self.fs.isfile(path))
+        if self.local:
+            return self.fs.isfile(path)
+        return self._kind("isfile", path) == "file"
 
     def isdir(self, path: str) -> bool:
-        return self._call("isdir", path, lambda: self.fs.isdir(path))
+        if self.local:
+            return self.fs.isdir(path)
+        return self._kind("isdir", path) == "directory"
+
+    def _kind(self, what: str, path: str) -> str | None:
+        """``info``'s type of ``path`` (``None``: it does not exist). Not fsspec's ``isfile``, which
+        answers ``False`` for every error (an unreachable store, missing credentials) instead of raising."""
+
+        def kind() -> str | None:
+            try:
+                return self.fs.info(path).get("type")
+            except FileNotFoundError:
+                return None
+
+        return self._call(what, path, kind)
 
     def size(self, path: str) -> int:
         return int(self._call("size", path, lambda: self.fs.size(path)))

@@ -29,9 +29,10 @@ from typing import Any
 
 import fsspec
 from fsspec import AbstractFileSystem
+from fsspec.implementations.local import LocalFileSystem
 
-from hp_dcp_hf.errors import CheckpointNotFoundError, HPDCPHFError
-from hp_dcp_hf.storage.transport import remote
+from hp_dcp_hf.errors import ArgumentError, CheckpointNotFoundError, HPDCPHFError
+from hp_dcp_hf.storage.transport import remote, s3
 from hp_dcp_hf.storage.transport.backend import (
     REMOTE_COALESCE_GAP,
     Backend,
@@ -50,6 +51,7 @@ from hp_dcp_hf.storage.transport.fsspec_backend import (
     fsspec_error_is_transient,
     local_version,
 )
+from hp_dcp_hf.storage.transport.options import check_storage_options
 from hp_dcp_hf.storage.transport.s3 import S3Backend
 
 __all__ = [  # the backend interface and the fsspec backend, importable from here as before
@@ -67,6 +69,7 @@ __all__ = [  # the backend interface and the fsspec backend, importable from her
     "as_backend",
     "backend_for_filesystem",
     "changed_error",
+    "check_options",
     "filesystem",
     "fill_views",
     "fsspec_error_is_transient",
@@ -122,7 +125,9 @@ def filesystem(
     the backend (see :mod:`hp_dcp_hf.storage.transport.remote` for the http and Hub ones); ``retry`` is the
     :class:`~hp_dcp_hf.storage.transport.backend.RetryPolicy` (or its fields as a dict) of remote reads;
     ``concurrency`` is how many reads the caller keeps in flight (S3 sizes its connection pool and
-    starts its client for it; see :mod:`hp_dcp_hf.storage.transport.s3`).
+    starts its client for it; see :mod:`hp_dcp_hf.storage.transport.s3`). An option key the store
+    does not take raises :class:`~hp_dcp_hf.errors.ArgumentError` naming the valid ones, before any
+    request (:mod:`hp_dcp_hf.storage.transport.options`).
     """
     text = os.fspath(path)
     options = dict(storage_options or {})
@@ -131,7 +136,14 @@ def filesystem(
     if found is not None:
         return found
     try:
+        kind = _check_fsspec_options(text, options)
+        if kind == "s3":
+            options = s3.metadata_options(options)
         fs, fspath = fsspec.core.url_to_fs(text, **options)
+        if kind == "s3":
+            s3.one_retry_layer(fs, policy)
+    except ArgumentError:  # an unknown option key, named with the valid ones
+        raise
     except ImportError as e:
         raise CheckpointNotFoundError(
             f"no filesystem for this path: {e} (remote stores need pip install 'hp-dcp-hf[remote]')", file=text
@@ -139,6 +151,37 @@ def filesystem(
     except ValueError as e:
         raise CheckpointNotFoundError(f"no filesystem for this path: {e}", file=text) from e
     return backend_for_filesystem(fs, policy, concurrency=concurrency), fspath.rstrip("/") or fspath
+
+
+def check_options(path: str | os.PathLike, storage_options: Mapping[str, Any] | None) -> None:
+    """Raise :class:`~hp_dcp_hf.errors.ArgumentError` when ``storage_options`` has a key the store
+    of ``path`` does not take (:mod:`hp_dcp_hf.storage.transport.options`); no I/O, no filesystem is
+    made: the CLI asks before it starts any rank."""
+    text, options = os.fspath(path), dict(storage_options or {})
+    store = None if _always_local(text) else remote.kind(text)
+    if store is not None:
+        check_storage_options(text, options, store)
+        return
+    try:
+        _check_fsspec_options(text, options)
+    except (ImportError, ValueError) as e:
+        if isinstance(e, ArgumentError):
+            raise
+        raise CheckpointNotFoundError(f"no filesystem for this path: {e}", file=text) from e
+
+
+def _check_fsspec_options(path: str, options: Mapping[str, Any]) -> str:
+    """Check ``options`` against the fsspec filesystem class of ``path``; its kind: ``"local"``,
+    ``"s3"`` (s3fs, which gets this package's retry defaults) or ``"fsspec"``."""
+    fs_class = None if "::" in path else fsspec.get_filesystem_class(fsspec.utils.get_protocol(path))
+    if fs_class is not None and issubclass(fs_class, LocalFileSystem):
+        kind = "local"
+    elif fs_class is not None and fs_class.__name__ == "S3FileSystem":
+        kind = "s3"
+    else:
+        kind = "fsspec"
+    check_storage_options(path, options, kind, fs_class)
+    return kind
 
 
 def _always_local(path: str) -> bool:

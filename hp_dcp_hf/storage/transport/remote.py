@@ -54,13 +54,16 @@ from hp_dcp_hf.storage.transport.backend import (
     Backend,
     Body,
     FileVersion,
+    FirstAnswer,
     RangeFile,
     RetryPolicy,
     TransientError,
+    UnreachableError,
     check_answer,
     etag,
     read_ranged,
 )
+from hp_dcp_hf.storage.transport.options import check_storage_options
 
 __all__ = [
     "HttpBackend",
@@ -148,7 +151,10 @@ class HttpClient:
     """Ranged GETs and HEADs over ``requests``: one session (connection pool) per thread, retries.
 
     ``headers`` go with every request (after ours: ``User-Agent``, ``Accept-Encoding: identity``);
-    ``session_options`` are ``verify``, ``cert``, ``proxies`` of a ``requests.Session``.
+    ``session_options`` are ``verify``, ``cert``, ``proxies`` of a ``requests.Session``. Size
+    probes (the metadata rank's first requests) follow the :class:`FirstAnswer` rule: until the
+    server has answered once, they wait at most the policy's ``first_answer_timeout_s`` and one that
+    gets no answer fails at once.
     """
 
     def __init__(
@@ -161,6 +167,9 @@ class HttpClient:
         self.headers = dict(headers or {})
         self.session_options = dict(session_options or {})
         self._local = threading.local()
+        self.first_answer = FirstAnswer(
+            _no_answer, "the server", "check the URL (host and port) and that the server is up and reachable from here"
+        )
 
     def _session(self):
         session = getattr(self._local, "session", None)
@@ -198,9 +207,10 @@ class HttpClient:
     def _run(self, attempt: Callable[[], T], what: str, file: str) -> T:
         return self.retry.run(attempt, what=what, file=file, is_transient=_http_error_is_transient)
 
-    def _get(self, url: str, headers: Mapping[str, str]):
+    def _get(self, url: str, headers: Mapping[str, str], timeout: tuple[float, float] | None = None):
         return self._session().get(
-            url, headers=self._headers(headers), stream=True, timeout=self.retry.timeout, allow_redirects=True
+            url, headers=self._headers(headers), stream=True, timeout=timeout or self.retry.timeout,
+            allow_redirects=True,
         )
 
     def probe(self, url: str, file: str) -> int | None:
@@ -211,9 +221,11 @@ class HttpClient:
     def probe_version(self, url: str, file: str) -> FileVersion | None:
         """The size and ETag of the file at ``url`` (one HEAD), ``None`` when it does not exist."""
 
+        timeout = self.retry.timeout if self.first_answer.answered else self.retry.first_timeout
+
         def attempt() -> FileVersion | None:
             with self._session().head(
-                url, headers=self._headers({}), timeout=self.retry.timeout, allow_redirects=True
+                url, headers=self._headers({}), timeout=timeout, allow_redirects=True
             ) as response:
                 if response.status_code in (404, 410):
                     return None
@@ -223,7 +235,7 @@ class HttpClient:
                 if response.status_code not in (200, 405, 501):
                     raise self._status_error(response, "HEAD", file)
             # No HEAD, or no length in its answer: ask for the first byte and read the total.
-            with self._get(url, {"Range": "bytes=0-0"}) as response:
+            with self._get(url, {"Range": "bytes=0-0"}, timeout) as response:
                 tag = etag(_header(response, "ETag"))
                 if response.status_code in (404, 410):
                     return None
@@ -237,7 +249,9 @@ class HttpClient:
                     raise self._status_error(response, "size probe", file)
                 raise StorageReadError(f"cannot tell the size: HTTP {response.status_code} without a length", file=file)
 
-        return self._run(attempt, "HEAD", file)
+        return self.first_answer.run(
+            self.retry, attempt, what=f"HEAD {urlsplit(url).netloc}", file=file, is_transient=_http_error_is_transient
+        )
 
     def read_into(
         self,
@@ -324,18 +338,15 @@ class HttpRangeFile(RangeFile):
 
 # -- plain HTTP(S) --------------------------------------------------------------------------------
 
-_HTTP_OPTIONS = ("headers", "verify", "cert", "proxies")
+HTTP_OPTIONS = ("headers", "verify", "cert", "proxies")
+"""The storage options of http(s) checkpoints: request headers, and the ``requests.Session`` settings."""
 
 
 class HttpBackend(Backend):
     """Checkpoints behind ``http(s)://`` URLs: the index names the files, reads are ranged GETs."""
 
     def __init__(self, retry: RetryPolicy | None = None, **options: Any) -> None:
-        unknown = set(options) - set(_HTTP_OPTIONS)
-        if unknown:
-            raise ValueError(
-                f"unknown storage options for http(s) checkpoints: {sorted(unknown)}; known: {list(_HTTP_OPTIONS)}"
-            )
+        check_storage_options(None, options, "http")  # resolve() checked them naming the URL; here for direct use
         session_options = {k: options[k] for k in ("verify", "cert", "proxies") if k in options}
         self.client = HttpClient(retry or RetryPolicy(), options.get("headers"), session_options)
         # url -> size and ETag (None: absent), since the last locate()
@@ -405,11 +416,6 @@ _BARE_REPO = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9_][\w.-]*(?:@[^\s]+)?$")
 _REPO_TYPES = {"datasets": "dataset", "spaces": "space"}
 
 
-class UnreachableError(StorageReadError):
-    """No answer came from the store at all (connection refused, no route, name not resolved, timeouts),
-    on every try: nothing was found missing or refused, so errors say so rather than "answered"."""
-
-
 def _no_answer(error: BaseException | None) -> bool:
     """``error`` is a transport failure of the Hub's client, with no HTTP answer behind it."""
     return (
@@ -450,10 +456,15 @@ class HubBackend(Backend):
     ) -> None:
         from huggingface_hub import HfFileSystem
 
+        if fs is None:
+            check_storage_options(None, options, "hub")
         self.fs = fs if fs is not None else HfFileSystem(**options)
         self.revision = revision
         self.hint = hint
         self.retry = retry or RetryPolicy()
+        self.first_answer = FirstAnswer(
+            _no_answer, self.fs.endpoint, "check the endpoint (storage option endpoint= or HF_ENDPOINT)"
+        )
         self._client: HttpClient | None = None
         self._lock = threading.Lock()
 
@@ -478,7 +489,11 @@ class HubBackend(Backend):
     def _call(self, what: str, path: str, fn: Callable[[], T]) -> T:
         self._check_online(path)
         try:
-            return self.retry.run(fn, what=what, file=self.url(path), is_transient=_hub_error_is_transient)
+            return self.first_answer.run(
+                self.retry, fn, what=what, file=self.url(path), is_transient=_hub_error_is_transient
+            )
+        except UnreachableError as e:
+            raise UnreachableError(f"the Hub could not be reached at {self.fs.endpoint}: {e.reason}", file=e.file) from e
         except StorageReadError as e:
             if not _no_answer(e.__cause__):
                 raise
@@ -622,13 +637,25 @@ def _is_bare_repo_id(path: str) -> bool:
     return "://" not in path and bool(_BARE_REPO.match(path)) and not os.path.exists(path.split("@", 1)[0])
 
 
+def kind(path: str) -> str | None:
+    """``"http"`` for http(s) URLs, ``"hub"`` for Hub repos, ``None`` for everything fsspec handles."""
+    if re.match(r"^https?://", path, re.IGNORECASE):
+        return "http"
+    if path.startswith("hf://") or _is_bare_repo_id(path):
+        return "hub"
+    return None
+
+
 def resolve(path: str, options: dict[str, Any], retry: RetryPolicy) -> tuple[Backend, str] | None:
     """The backend and path for http(s) URLs and Hub repos; ``None`` for everything fsspec handles."""
-    if re.match(r"^https?://", path, re.IGNORECASE):
+    store = kind(path)
+    if store is not None:
+        check_storage_options(path, options, store)
+    if store == "http":
         return HttpBackend(retry, **options), path
-    if path.startswith("hf://"):
+    if store == "hub" and path.startswith("hf://"):
         return HubBackend(retry, **options), path.removeprefix("hf://").rstrip("/")
-    if _is_bare_repo_id(path):
+    if store == "hub":
         hint = f" ({path!r} is no local path, so it was read as a Hub repo id)"
         return HubBackend(retry, hint=hint, **options), path
     return None

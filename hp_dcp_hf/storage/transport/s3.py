@@ -22,6 +22,14 @@ credentials, instance metadata). Defaults of our own, each overridden by ``confi
   which resume a cut body after the bytes that arrived; botocore's would repeat whole requests
   and stack their backoff on ours.
 
+Metadata (s3fs) gets one retry layer too, the policy's: s3fs's own retries and botocore's are
+turned off for the filesystem this package makes (:func:`metadata_options`, :func:`one_retry_layer`),
+and until the endpoint has answered once its requests wait at most the policy's
+``first_answer_timeout_s`` and one that gets no answer is not retried
+(:class:`~hp_dcp_hf.storage.transport.backend.FirstAnswer`): a wrong endpoint or a dead host fails
+in seconds naming the endpoint, not after three stacked retry loops. Missing credentials fail on
+the first request, naming what to set.
+
 Making the client (importing botocore, loading its S3 model: 0.3-1 s, more on a busy machine)
 starts in a background thread as soon as the backend exists, i.e. on every rank while rank 0
 reads the headers, and the client is shared by every backend of the process with the same
@@ -31,11 +39,12 @@ settings (fsspec shares its filesystems the same way), so a second load starts w
 from __future__ import annotations
 
 import contextlib
+import copy
 import http.client
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, TypeVar
 
 from fsspec import AbstractFileSystem
 
@@ -43,6 +52,7 @@ from hp_dcp_hf.errors import CheckpointNotFoundError, HPDCPHFError, StorageReadE
 from hp_dcp_hf.storage.transport.backend import (
     Body,
     FileVersion,
+    FirstAnswer,
     RangeFile,
     RetryPolicy,
     TransientError,
@@ -51,7 +61,9 @@ from hp_dcp_hf.storage.transport.backend import (
     etag,
     read_ranged,
 )
-from hp_dcp_hf.storage.transport.fsspec_backend import FsspecBackend
+from hp_dcp_hf.storage.transport.fsspec_backend import FsspecBackend, fsspec_error_is_transient
+
+T = TypeVar("T")
 
 _DEFAULT_POOL = 10
 """botocore's own ``max_pool_connections``."""
@@ -62,6 +74,63 @@ _NOT_FOUND_CODES = {"NoSuchKey", "NoSuchBucket", "NoSuchVersion", "404"}
 
 _clients: dict[str, Future[Any]] = {}
 _clients_lock = threading.Lock()
+
+
+_NO_RETRIES = {"total_max_attempts": 1}
+"""botocore's ``retries`` config for one attempt: the retry policy's are the only ones."""
+
+
+def metadata_options(options: dict[str, Any]) -> dict[str, Any]:
+    """s3fs options with botocore's retries off unless ``config_kwargs.retries`` says otherwise."""
+    config = dict(options.get("config_kwargs") or {})
+    config.setdefault("retries", dict(_NO_RETRIES))  # a copy: botocore's Config writes into it
+    return {**options, "config_kwargs": config}
+
+
+def one_retry_layer(fs: AbstractFileSystem, retry: RetryPolicy) -> None:
+    """s3fs's own retries off, and its timeouts (where ``config_kwargs`` sets none) those of a
+    store that has not answered yet: s3fs has one client for every call, so they stay after the
+    first answer too, when a metadata request that times out is retried under the policy (listing
+    and size answers start within milliseconds; s3fs's own defaults are 5 s / 15 s)."""
+    s3: Any = fs
+    s3.retries = 1
+    s3.connect_timeout, s3.read_timeout = retry.first_timeout
+
+
+def endpoint(fs: AbstractFileSystem) -> str:
+    """The endpoint requests of ``fs`` go to, as errors name it."""
+    s3: Any = fs
+    url = s3.client_kwargs.get("endpoint_url") or s3.endpoint_url
+    if url:
+        return str(url)
+    region = s3.client_kwargs.get("region_name")
+    return f"AWS S3{f' in {region}' if region else ''} (no endpoint_url set)"
+
+
+def no_answer(error: BaseException | None) -> bool:
+    """``error`` is a request to S3 that got no answer at all: refused, timed out, closed unanswered."""
+    from botocore import exceptions as exc
+
+    if error is None or isinstance(error, exc.SSLError):
+        return False
+    return isinstance(error, (exc.ConnectionError, exc.ReadTimeoutError, exc.ConnectionClosedError,
+                              ConnectionError, TimeoutError))
+
+
+def credentials_error(error: BaseException, fs: AbstractFileSystem, file: str | None) -> StorageReadError | None:
+    """The one-line error of botocore's ``NoCredentialsError`` (or ``PartialCredentialsError``),
+    naming what to set; ``None`` for other errors."""
+    from botocore.exceptions import NoCredentialsError, PartialCredentialsError
+
+    if not isinstance(error, NoCredentialsError | PartialCredentialsError):
+        return None
+    return StorageReadError(
+        f"no AWS credentials for {endpoint(fs)} ({error}; looked in the environment, ~/.aws and the instance "
+        "metadata): set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), or pass the storage "
+        "options key= and secret= (CLI: --storage-option key=... --storage-option secret=...), or anon=true "
+        "for a public bucket",
+        file=file,
+    )
 
 
 def client_settings(fs: AbstractFileSystem, retry: RetryPolicy, concurrency: int | None) -> dict[str, Any]:
@@ -80,7 +149,7 @@ def client_settings(fs: AbstractFileSystem, retry: RetryPolicy, concurrency: int
     config = {
         "connect_timeout": retry.connect_timeout_s,
         "read_timeout": retry.read_timeout_s,
-        "retries": {"total_max_attempts": 1},
+        "retries": dict(_NO_RETRIES),
         **s3.config_kwargs,
     }
     config["max_pool_connections"] = max(config.get("max_pool_connections", _DEFAULT_POOL), concurrency or 0)
@@ -94,7 +163,7 @@ def _make_client(settings: dict[str, Any]) -> Any:
     from botocore import UNSIGNED
     from botocore.config import Config
 
-    config = dict(settings["config"])
+    config = copy.deepcopy(settings["config"])  # botocore's Config writes into its ``retries``
     if settings["anon"]:
         config["signature_version"] = UNSIGNED
     session = botocore.session.Session(**settings["session"])
@@ -164,7 +233,9 @@ class _S3File(RangeFile):
         except HPDCPHFError:
             raise
         except Exception as e:  # credentials, parameters, ...: one typed error naming the file
-            raise StorageReadError(f"ranged GET failed: {type(e).__name__}: {e}", file=self.file) from e
+            raise credentials_error(e, self._backend.fs, self.file) or StorageReadError(
+                f"ranged GET failed: {type(e).__name__}: {e}", file=self.file
+            ) from e
 
     @contextlib.contextmanager
     def _get(self, pos: int, end: int) -> Iterator[Body]:
@@ -217,12 +288,29 @@ class S3Backend(FsspecBackend):
         self, fs: AbstractFileSystem, retry: RetryPolicy | None = None, *, concurrency: int | None = None
     ) -> None:
         super().__init__(fs, retry)
+        self.first_answer = FirstAnswer(
+            no_answer, endpoint(fs),
+            "check the endpoint (storage option client_kwargs.endpoint_url=URL) and that it is reachable from here",
+        )
         self.settings = client_settings(fs, self.retry or RetryPolicy(), concurrency)
         self._client = start_client(self.settings)
         self._extra: dict[str, Any] | None = None
 
     def __repr__(self) -> str:
         return "S3Backend()"
+
+    def is_transient(self, error: BaseException) -> bool:
+        return fsspec_error_is_transient(error) or no_answer(error)
+
+    def _call(self, what: str, path: str, fn: Callable[[], T]) -> T:
+        """A metadata call under the first-answer rule, missing credentials named in one line."""
+        try:
+            return super()._call(what, path, fn)
+        except StorageReadError as e:
+            named = None if e.__cause__ is None else credentials_error(e.__cause__, self.fs, e.file)
+            if named is None:
+                raise
+            raise named from e.__cause__
 
     def client(self) -> tuple[Any, dict[str, Any]]:
         """The client (waiting for it to be made) and the extra ``GetObject`` arguments from the options."""
