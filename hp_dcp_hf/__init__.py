@@ -7,9 +7,9 @@ The public names are imported on first use (module ``__getattr__``), so ``import
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from hp_dcp_hf.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from hp_dcp_hf.api import load_hf_checkpoint, save_hf_checkpoint
@@ -45,16 +45,7 @@ _EXPORTS = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is not None:
-        value = getattr(importlib.import_module(module), name)
-        globals()[name] = value  # later lookups skip __getattr__
-        return value
-    if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
-        # ``hp_dcp_hf.pipeline`` and friends after a bare ``import hp_dcp_hf``, as before
-        return importlib.import_module(f"{__name__}.{name}")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, globals(), _EXPORTS, submodules=True)
 
 
 def __dir__() -> list[str]:

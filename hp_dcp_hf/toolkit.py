@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hp_dcp_hf.errors import QuantizationError
+from hp_dcp_hf.lazy import lazy_exports
 from hp_dcp_hf.mapping.families import natural_sorted
 from hp_dcp_hf.model_dtype import AUTO, DtypeSpec, resolve_dtype
 from hp_dcp_hf.parallel.mesh import DENSE_DIMS, mesh_world_size, parse_mesh
@@ -62,13 +63,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-def __getattr__(name: str) -> Any:
-    # RecordingReader is a DCP StorageReader: imported when asked for, so inspect never imports DCP
-    if name == "RecordingReader":
-        from hp_dcp_hf.storage.read.recording import RecordingReader
-
-        return RecordingReader
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# RecordingReader is a DCP StorageReader: imported when asked for, so inspect never imports DCP
+__getattr__ = lazy_exports(__name__, globals(), {"RecordingReader": "hp_dcp_hf.storage.read.recording"})
 
 # -- formatting ---------------------------------------------------------------------------------
 

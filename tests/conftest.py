@@ -50,6 +50,7 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 from tests.models import MODEL_TYPES, build_model, load_reference, make_checkpoint  # noqa: E402
+from tests.servers.s3 import BUCKET, MotoS3  # noqa: E402
 
 try:  # transformers' own loading/saving bars ("Loading weights", "Writing model shards")
     from transformers.utils import logging as _hf_logging
@@ -163,3 +164,12 @@ def _named_checkpoint_fixture(model_type: str):
 for _model_type in MODEL_TYPES:
     globals()[f"{_model_type}_checkpoint"] = _named_checkpoint_fixture(_model_type)
 del _model_type
+
+
+@pytest.fixture(scope="module")
+def moto(tmp_path_factory: pytest.TempPathFactory):
+    """moto's S3 server with :data:`BUCKET` created, for a module's saves and loads."""
+    server = MotoS3(tmp_path_factory.mktemp("moto") / "recording.jsonl")
+    server.create_bucket(BUCKET)
+    yield server
+    server.stop()

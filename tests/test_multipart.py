@@ -20,11 +20,9 @@ from hp_dcp_hf.storage.write.destination import BoxWrite, box_runs
 from hp_dcp_hf.storage.write.multipart import MultipartUploads
 from hp_dcp_hf.storage.write.parts import MAX_PARTS, MIN_PART_BYTES, file_parts, part_size, rounds
 from tests.families import family_model_class, tiny_family_config
-from tests.servers.s3 import MotoS3
+from tests.servers.s3 import BUCKET
 from tests.test_save import anonymized
 from tests.test_storage_ranges import tensor_and_box
-
-BUCKET = "checkpoints"
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -82,14 +80,6 @@ def test_windowed_runs_partition_the_box_bytes(case, lead, window, cast):
 
 
 # -- saves against moto -------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def moto(tmp_path_factory):
-    server = MotoS3(tmp_path_factory.mktemp("moto") / "recording.jsonl")
-    server.create_bucket(BUCKET)
-    yield server
-    server.stop()
 
 
 def big_llama(seed: int = 0):

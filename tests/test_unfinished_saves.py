@@ -23,8 +23,8 @@ from hp_dcp_hf.errors import StorageWriteError
 from hp_dcp_hf.storage.format.journal import JOURNAL_FILE, LOCK_FILE, STAGING_PREFIX
 from hp_dcp_hf.storage.write.destination import Destination, Directory
 from tests.families import build_family_model, save_family_model
-from tests.servers.s3 import MotoS3
-from tests.test_multipart import BUCKET, objects, pending_uploads
+from tests.servers.s3 import BUCKET
+from tests.test_multipart import objects, pending_uploads
 from tests.test_save import anonymized, assert_same_checkpoint
 
 SHARD = "20KB"
@@ -142,14 +142,6 @@ def test_a_save_over_the_same_names_ends_with_save_pretrained_s_names(tmp_path):
     one = save_family_model(build_family_model("llama", seed=1), tmp_path / "one")  # one file over one file
     hp_dcp_hf.save_hf_checkpoint(build_family_model("llama", seed=2), one)
     assert sorted(p.name for p in one.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
-
-
-@pytest.fixture(scope="module")
-def moto(tmp_path_factory):
-    server = MotoS3(tmp_path_factory.mktemp("moto") / "recording.jsonl")
-    server.create_bucket(BUCKET)
-    yield server
-    server.stop()
 
 
 def test_s3_saves_end_with_save_pretrained_s_names_and_leftovers_warn_at_no_request(moto, tmp_path):

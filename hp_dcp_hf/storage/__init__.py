@@ -21,8 +21,9 @@ not need.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from hp_dcp_hf.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from hp_dcp_hf.storage.format.catalog import (
@@ -112,9 +113,4 @@ _LAZY = {
 """Where each public name lives: imported on first use."""
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = globals()[name] = getattr(importlib.import_module(module), name)
-    return value
+__getattr__ = lazy_exports(__name__, globals(), _LAZY)

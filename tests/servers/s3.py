@@ -43,6 +43,10 @@ class RecordedRequest:
         return int(m.group(2)) - int(m.group(1)) + 1 if m else None
 
 
+BUCKET = "checkpoints"
+"""The bucket of the ``moto`` fixture (``tests/conftest.py``)."""
+
+
 class MotoS3:
     """moto's S3 server on a free port of 127.0.0.1, recording to ``recording_file``."""
 
