@@ -21,6 +21,11 @@
    Finally ties are checked (re-tied if materialization broke them) and the model is put in
    ``eval()`` mode.
 
+With ``adapter=`` (a PEFT LoRA adapter) the model is wrapped by peft after TP and EP and before
+FSDP, the base checkpoint loads into the base's tensors (through the module tree it had before
+peft, :func:`hp_dcp_hf.integrations.peft.base_model_tree`) and the adapter into the adapter's: the
+result is ``PeftModel.from_pretrained(base, adapter, is_trainable=...)``, sharded.
+
 ``from_pretrained`` returns ``(model, report)``; ``report`` is a :class:`PretrainedLoadReport`, a
 :class:`~hp_dcp_hf.LoadReport` with what finalization initialized, this rank's plan and read
 statistics and the time of every stage.
@@ -530,9 +535,7 @@ def from_pretrained(
 
         logger.info("loading the adapter %s", adapter)
         model = adapted[0]
-        adapter_report = load_peft_adapter(model, adapter)
-        if not is_trainable:
-            model.eval()  # as PeftModel.from_pretrained: its load_adapter puts a frozen adapter in eval()
+        adapter_report = load_peft_adapter(model, adapter)  # a frozen one puts the model in eval(), as peft's
         lap("adapter")
     report = PretrainedLoadReport(
         base.loaded_keys,

@@ -19,6 +19,12 @@ byte once, published atomically next to ``adapter_config.json``.
 Tensor parallelism: :func:`parallelize_lora` shards every LoRA layer the way its base layer's TP
 layout implies (:func:`lora_placements`).
 
+Training: ``read_adapter_config(path, is_trainable=True)`` is peft's ``is_trainable`` (the default
+``False`` freezes everything, as ``PeftModel.from_pretrained`` does). On a model of transformers'
+plans, :func:`hp_dcp_hf.from_pretrained`'s ``adapter=`` adds the adapter between TP and FSDP
+(:func:`wrap_with_adapter`) and loads the base through :func:`base_model_tree`, so FSDP2 shards the
+adapter with the rest.
+
 Only LoRA is supported (``peft_type: "LORA"``); a transformers-4 MoE adapter (per-expert keys that
 ``peft`` converts with a block-diagonal op on load) is refused by name rather than converted.
 """
@@ -427,8 +433,11 @@ def load_peft_adapter(
     (:class:`CheckpointFormatError`), an adapter for another base class
     (:class:`ArchitectureMismatchError`), file tensors the model lacks (:class:`UnexpectedKeysError`),
     LoRA tensors the file lacks (:class:`MissingKeysError`), other shapes (:class:`MappingError`);
-    each names the file, the key and why. ``reader`` may be given to read its statistics
-    afterwards; ``load_options`` go to :func:`~hp_dcp_hf.load_hf_checkpoint`.
+    each names the file, the key and why. So is a trainable adapter tensor that ``fully_shard``
+    does not shard (:class:`LayoutError`: the adapter was added after FSDP2, which would not reduce
+    its gradients). ``reader`` may be given to read its statistics afterwards; ``load_options`` go
+    to :func:`~hp_dcp_hf.load_hf_checkpoint`. As peft's ``load_adapter``, a frozen adapter (its
+    config's ``inference_mode``, ``read_adapter_config``'s default) puts the model in ``eval()``.
     """
     path = os.fspath(path)
     names, dropped = _adapter_names(model, adapter_name, save_embedding_layers=True)
@@ -449,7 +458,10 @@ def load_peft_adapter(
     planner = _AdapterLoadPlanner(view, location.url(ADAPTER_WEIGHTS), frozenset(names) - required,
                                   claimed_source_keys=dropped)
     reader = reader if reader is not None else HFStorageReader(weights, storage_options=storage_options)
-    return load_hf_checkpoint(view, weights, reader=reader, planner=planner, **load_options)
+    report = load_hf_checkpoint(view, weights, reader=reader, planner=planner, **load_options)
+    if _peft_config(model, adapter_name).inference_mode:
+        model.eval()  # as peft's load_adapter(is_trainable=False): a frozen adapter is for inference
+    return report
 
 
 # -- save ----------------------------------------------------------------------------------------
