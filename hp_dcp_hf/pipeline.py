@@ -21,6 +21,11 @@
    Finally ties are checked (re-tied if materialization broke them) and the model is put in
    ``eval()`` mode.
 
+With ``adapter=`` (a PEFT LoRA adapter) the model is wrapped by peft after TP and EP and before
+FSDP, the base checkpoint loads into the base's tensors (through the module tree it had before
+peft, :func:`hp_dcp_hf.integrations.peft.base_model_tree`) and the adapter into the adapter's: the
+result is ``PeftModel.from_pretrained(base, adapter, is_trainable=...)``, sharded.
+
 ``from_pretrained`` returns ``(model, report)``; ``report`` is a :class:`PretrainedLoadReport`, a
 :class:`~hp_dcp_hf.LoadReport` with what finalization initialized, this rank's plan and read
 statistics and the time of every stage.
@@ -28,9 +33,11 @@ statistics and the time of every stage.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
+import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -43,6 +50,7 @@ from torch.distributed.tensor import DTensor
 from hp_dcp_hf.api import Loader, load_hf_checkpoint
 from hp_dcp_hf.errors import (
     ArchitectureMismatchError,
+    ArgumentError,
     CheckpointFormatError,
     CheckpointNotFoundError,
     HPDCPHFError,
@@ -88,7 +96,7 @@ class PretrainedLoadReport(LoadReport):
 
     ``seconds`` has the wall time of each stage: ``skeleton``, ``transforms``, ``parallelize``,
     ``materialize``, ``load`` (with its phases ``metadata``, ``plan``, ``read``, ``copy``, ``exchange``), then
-    ``finalize``."""
+    ``finalize`` and, with ``adapter=``, ``adapter``."""
 
     initialized_keys: tuple[str, ...] = ()
     """Model tensors the model's own init filled: missing keys and non-persistent buffers."""
@@ -101,6 +109,8 @@ class PretrainedLoadReport(LoadReport):
     """What the parallelization did (its ``applied`` lines, when it has them)."""
     unsharded: tuple[Any, ...] = ()
     """What a requested mesh dim left whole, and why (:class:`hp_dcp_hf.parallel.Unsharded`)."""
+    adapter: LoadReport | None = None
+    """The load of ``adapter=`` (its ``adapter_model.safetensors`` keys), when one was given."""
 
 
 # -- stage 1 -----------------------------------------------------------------------------------
@@ -395,6 +405,8 @@ def from_pretrained(
     planner_cls: type[HFMappingPlanner] = HFMappingPlanner,
     weights_mapping: Sequence[Any] | None = None,
     init_seed: int | None = None,
+    adapter: str | os.PathLike | None = None,
+    is_trainable: bool = False,
     **reader_options: Any,
 ) -> tuple[nn.Module, PretrainedLoadReport]:
     """Build, rewrite, parallelize and load a Hugging Face checkpoint; every rank calls it.
@@ -431,6 +443,18 @@ def from_pretrained(
             ``WeightConverter``); default: transformers' own for the skeleton, taken in stage 1.
         init_seed: seed of the init of missing keys (``strict=False``); default: drawn from the
             global RNG (seed every rank alike). Sharded ones are initialized whole, so replicas agree.
+        adapter: a PEFT LoRA adapter (a directory with ``adapter_config.json`` and
+            ``adapter_model.safetensors``; local, S3, HTTP, the Hub) to apply and load, as
+            ``PeftModel.from_pretrained(model, adapter)`` does: the model is wrapped with peft's
+            ``get_peft_model`` after TP and EP and before FSDP (the LoRA layers sharded as their
+            base layers, :func:`~hp_dcp_hf.integrations.peft.parallelize_lora`, and then by FSDP2
+            with the rest), the base checkpoint loads into the base tensors and the adapter into
+            the adapter's; the returned model is the ``PeftModel``, ``report.adapter`` the adapter's
+            load. With ``parallelize=`` the adapter is added after it, so the recipe must not call
+            ``fully_shard`` (a :class:`~hp_dcp_hf.errors.LayoutError`).
+        is_trainable: ``PeftModel.from_pretrained``'s: ``False`` (the default) freezes every
+            tensor, the adapter's too; ``True`` trains the adapter's (LoRA, ``modules_to_save``),
+            the base frozen.
         **reader_options: :class:`HFStorageReader` options (``storage_options``,
             ``coalesce_gap``, ``num_threads``, ...).
 
@@ -439,12 +463,25 @@ def from_pretrained(
     """
     if reader is not None and reader_options:
         raise ValueError(f"pass reader= or reader options, not both (got {sorted(reader_options)})")
+    adapted: list[nn.Module] = []  # the PEFT model, once the adapter is added
+
+    def add_adapter(base: nn.Module) -> None:
+        from hp_dcp_hf.integrations.peft import wrap_with_adapter
+
+        adapted.append(wrap_with_adapter(base, adapter_config))
+
+    if adapter is not None:
+        from hp_dcp_hf.integrations.peft import read_adapter_config
+
+        adapter_config = read_adapter_config(adapter, is_trainable=is_trainable)
+    elif is_trainable:
+        raise ArgumentError("is_trainable= says whether the adapter trains: pass adapter= too")
     if distributed_config is not None:
         if parallelize is not None:
             raise ValueError("pass distributed_config= or parallelize=, not both")
         from hp_dcp_hf.parallel import TransformersPlans
 
-        parallelize = TransformersPlans(distributed_config)
+        parallelize = TransformersPlans(distributed_config, before_fsdp=add_adapter if adapter is not None else None)
     seconds: dict[str, float] = {}
     clock = time.perf_counter()
 
@@ -473,18 +510,33 @@ def from_pretrained(
         logger.info("parallelizing")
         out = parallelize(model)
         model = out if isinstance(out, nn.Module) else model
+    if adapter is not None and not adapted:
+        add_adapter(model)  # after parallelize= (or none): refused on a model fully_shard sharded already
     lap("parallelize")
     logger.info("allocating the local shards on %s", device)
-    materialize(model, device)
+    materialize(adapted[0] if adapted else model, device)
     lap("materialize")
-    planner = planner_cls(model, weights_mapping=mapping, strict=strict, unexpected=unexpected, trace=loader == "dcp")
-    base = load_hf_checkpoint(model, path_or_repo, loader=loader, reader=reader, planner=planner)
-    lap("load")
-    seconds.update(base.seconds)
-    initialized = finalize(model, base, seed=init_seed)
-    retie(model)
-    model.eval()
+    if adapted:
+        from hp_dcp_hf.integrations.peft import base_model_tree
+    with base_model_tree(adapted[0]) if adapted else contextlib.nullcontext(model) as model:
+        retie(model)  # the base's tied names: the PEFT model's tree hides them
+        planner = planner_cls(model, weights_mapping=mapping, strict=strict, unexpected=unexpected,
+                              trace=loader == "dcp")
+        base = load_hf_checkpoint(model, path_or_repo, loader=loader, reader=reader, planner=planner)
+        lap("load")
+        seconds.update(base.seconds)
+        initialized = finalize(model, base, seed=init_seed)
+        retie(model)
+        model.eval()  # the base; the adapter's layers as peft leaves them
     lap("finalize")
+    adapter_report = None
+    if adapted:
+        from hp_dcp_hf.integrations.peft import load_peft_adapter
+
+        logger.info("loading the adapter %s", adapter)
+        model = adapted[0]
+        adapter_report = load_peft_adapter(model, adapter)  # a frozen one puts the model in eval(), as peft's
+        lap("adapter")
     report = PretrainedLoadReport(
         base.loaded_keys,
         base.missing_keys,
@@ -496,5 +548,6 @@ def from_pretrained(
         seconds=seconds,
         layout=tuple(getattr(parallelize, "applied", ())),
         unsharded=tuple(getattr(parallelize, "unsharded", ())),
+        adapter=adapter_report,
     )
     return model, report

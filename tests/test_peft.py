@@ -55,43 +55,64 @@ RANK = 6  # rows of lora_A: 6 over 4 ranks is uneven (2, 2, 1, 1)
 _SET_FIELDS = ("target_modules", "target_parameters", "exclude_modules", "modules_to_save")
 
 
-def make_adapter(family: str, root: Path, *, seed: int = 1, **config_overrides) -> tuple[Path, Path]:
+def make_adapter(family: str, root: Path, *, seed: int = 1, name: str | None = None, lora: dict | None = None,
+                 **config_overrides) -> tuple[Path, Path]:
     """A tiny float32 base checkpoint of ``family`` and a LoRA adapter of it with random values
     (``init_lora_weights=False``: lora_B is not zero), both written by their libraries'
-    ``save_pretrained``."""
+    ``save_pretrained``. ``lora``: more ``LoraConfig`` fields (``modules_to_save``: the copies are
+    scaled by 1.5, so that they differ from the base modules they copy)."""
     from peft import LoraConfig, get_peft_model
+    from peft.utils.other import ModulesToSaveWrapper
 
-    base = make_checkpoint(family, root / f"{family}-base", dtype=torch.float32, **config_overrides)
+    name = name or family
+    base = make_checkpoint(family, root / f"{name}-base", dtype=torch.float32, **config_overrides)
     torch.manual_seed(seed)
     config = LoraConfig(r=RANK, lora_alpha=12, init_lora_weights=False, base_model_name_or_path=str(base),
-                        **TARGETS[family])
+                        **TARGETS[family], **(lora or {}))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = get_peft_model(build_model(family, dtype=torch.float32, **config_overrides), config)
-        model.save_pretrained(root / f"{family}-adapter")
-    return base, root / f"{family}-adapter"
+        with torch.no_grad():
+            for module in model.modules():
+                if isinstance(module, ModulesToSaveWrapper):
+                    for param in module.modules_to_save.parameters():
+                        param.mul_(1.5)
+        model.save_pretrained(root / f"{name}-adapter")
+    return base, root / f"{name}-adapter"
 
 
 def peft_reference(family: str, base: Path, adapter: Path, out: Path):
     """peft's own, in one process: ``PeftModel.from_pretrained`` of the base and the adapter, and its
     ``save_pretrained`` into ``out``."""
-    from peft import PeftModel
-
+    model = peft_load(family, base, adapter)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = PeftModel.from_pretrained(model_class(family).from_pretrained(base, dtype=torch.float32), adapter)
         model.save_pretrained(out)
     return model
 
 
-def wrapped(family: str, base: Path, adapter: Path):
+def wrapped(family: str, base: Path, adapter: Path, *, is_trainable: bool = False):
     """The base model, wrapped by peft with the adapter's config (random LoRA values)."""
     from peft import get_peft_model
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return get_peft_model(model_class(family).from_pretrained(base, dtype=torch.float32),
-                              read_adapter_config(adapter))
+                              read_adapter_config(adapter, is_trainable=is_trainable))
+
+
+def peft_load(family: str, base: Path, adapter: Path, *, is_trainable: bool = False):
+    """``PeftModel.from_pretrained`` of the base and the adapter, as peft users load one."""
+    from peft import PeftModel
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return PeftModel.from_pretrained(model_class(family).from_pretrained(base, dtype=torch.float32), adapter,
+                                         is_trainable=is_trainable)
+
+
+def trainable(model) -> set[str]:
+    return {name for name, param in model.named_parameters() if param.requires_grad}
 
 
 def _normalized_config(path: Path) -> dict:
@@ -342,3 +363,111 @@ def test_a_transformers_4_moe_adapter_is_named_as_such(tmp_path):
     save_file(tensors, broken / ADAPTER_WEIGHTS, metadata={"format": "pt"})
     error = _refused(wrapped("qwen3_moe", base, path), broken, UnexpectedKeysError)
     assert error.key.endswith("experts.0.gate_proj.lora_A.weight") and "transformers-4 MoE adapter" in error.reason
+
+
+# -- training: peft's is_trainable ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("is_trainable", [False, True], ids=["frozen", "trainable"])
+def test_is_trainable_is_peft_from_pretrained_s(adapter, is_trainable):
+    """``read_adapter_config(path, is_trainable=...)`` + ``get_peft_model`` trains what
+    ``PeftModel.from_pretrained(..., is_trainable=...)`` trains: by default nothing (peft saves
+    ``inference_mode: true``), with ``True`` every adapter tensor and nothing of the base."""
+    family, base, path, _, _ = adapter
+    ours, theirs = wrapped(family, base, path, is_trainable=is_trainable), peft_load(family, base, path,
+                                                                                  is_trainable=is_trainable)
+    assert json.loads((path / ADAPTER_CONFIG).read_text())["inference_mode"] is True
+    assert ours.peft_config["default"].inference_mode is (not is_trainable)
+    assert trainable(ours) == trainable(theirs)
+    assert trainable(ours) == (set(adapter_keys(ours).values()) if is_trainable else set())
+    load_peft_adapter(ours, path)
+    assert trainable(ours) == trainable(theirs)
+
+
+# -- from_pretrained(adapter=) ----------------------------------------------------------------------
+
+
+def _same_as_peft(model, reference) -> None:
+    """Every tensor bit for bit, the same tensors trainable, every module in the same mode."""
+    ours, theirs = model.state_dict(), reference.state_dict()
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[key], theirs[key]) for key in theirs), [k for k in theirs if not torch.equal(ours[k], theirs[k])]
+    assert trainable(model) == trainable(reference)
+    assert [(name, m.training) for name, m in model.named_modules()] == \
+           [(name, m.training) for name, m in reference.named_modules()]
+
+
+@pytest.mark.parametrize("is_trainable", [False, True], ids=["frozen", "trainable"])
+def test_from_pretrained_with_an_adapter_is_peft_from_pretrained(adapter, is_trainable):
+    """``hp_dcp_hf.from_pretrained(base, adapter=path, is_trainable=...)`` is
+    ``PeftModel.from_pretrained(transformers' from_pretrained(base), path, is_trainable=...)``."""
+    import hp_dcp_hf
+
+    family, base, path, _, _ = adapter
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, report = hp_dcp_hf.from_pretrained(str(base), dtype=torch.float32, adapter=str(path),
+                                                  is_trainable=is_trainable)
+    _same_as_peft(model, peft_load(family, base, path, is_trainable=is_trainable))
+    assert sorted(report.adapter.loaded_keys) == sorted(load_file(path / ADAPTER_WEIGHTS))
+    assert report.loaded_keys and not any(".lora_" in key for key in report.loaded_keys)  # the base's own names
+    assert "adapter" in report.seconds
+
+
+def test_is_trainable_without_an_adapter_is_refused(adapter):
+    import hp_dcp_hf
+    from hp_dcp_hf.errors import ArgumentError
+
+    with pytest.raises(ArgumentError, match="adapter="):
+        hp_dcp_hf.from_pretrained(str(adapter[1]), is_trainable=True)
+
+
+# -- modules_to_save --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def saved_modules(tmp_path_factory):
+    """An adapter with full copies of lm_head and the embeddings (``modules_to_save``, untied)."""
+    root = tmp_path_factory.mktemp("peft-modules-to-save")
+    base, path = make_adapter("llama", root, name="mts", lora=dict(modules_to_save=["lm_head", "embed_tokens"]),
+                              tie_word_embeddings=False)
+    return base, path, peft_reference("llama", base, path, root / "reference"), root / "reference"
+
+
+def test_modules_to_save_load_and_save_as_peft(saved_modules, tmp_path):
+    """peft names the copies ``base_model.model.lm_head.weight`` in the file and holds them as
+    ``...lm_head.modules_to_save.default.weight``: the load equals ``PeftModel.from_pretrained``
+    (every tensor of the model), the save equals ``save_pretrained``'s files; with
+    ``save_embedding_layers=True`` peft also writes the wrappers' inner names (its load drops
+    ``...modules_to_save.weight``, and so does ours)."""
+    import hp_dcp_hf
+
+    base, path, reference, reference_dir = saved_modules
+    stored = load_file(path / ADAPTER_WEIGHTS)
+    names = adapter_keys(reference)
+    assert names["base_model.model.lm_head.weight"] == "base_model.model.lm_head.modules_to_save.default.weight"
+    assert names["base_model.model.model.embed_tokens.weight"] == \
+           "base_model.model.model.embed_tokens.modules_to_save.default.weight"
+    assert sorted(names) == sorted(stored)
+    model = wrapped("llama", base, path)
+    assert not torch.equal(model.state_dict()[names["base_model.model.lm_head.weight"]],
+                           stored["base_model.model.lm_head.weight"])  # the copy starts as the base's
+    load_peft_adapter(model, path)
+    _same_as_peft(model, reference)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from_ours, _ = hp_dcp_hf.from_pretrained(str(base), dtype=torch.float32, adapter=str(path))
+    _same_as_peft(from_ours, reference)
+
+    save_peft_adapter(reference, tmp_path / "ours")
+    assert_same_adapter(tmp_path / "ours", reference_dir)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        reference.save_pretrained(tmp_path / "peft-all", save_embedding_layers=True)
+    assert "base_model.model.lm_head.modules_to_save.weight" in load_file(tmp_path / "peft-all" / ADAPTER_WEIGHTS)
+    save_peft_adapter(reference, tmp_path / "ours-all", save_embedding_layers=True)
+    assert_same_adapter(tmp_path / "ours-all", tmp_path / "peft-all")
+    model = wrapped("llama", base, path)
+    load_peft_adapter(model, tmp_path / "peft-all")
+    _same_as_peft(model, peft_load("llama", base, tmp_path / "peft-all"))

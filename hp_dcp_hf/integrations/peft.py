@@ -19,6 +19,12 @@ byte once, published atomically next to ``adapter_config.json``.
 Tensor parallelism: :func:`parallelize_lora` shards every LoRA layer the way its base layer's TP
 layout implies (:func:`lora_placements`).
 
+Training: ``read_adapter_config(path, is_trainable=True)`` is peft's ``is_trainable`` (the default
+``False`` freezes everything, as ``PeftModel.from_pretrained`` does). On a model of transformers'
+plans, :func:`hp_dcp_hf.from_pretrained`'s ``adapter=`` adds the adapter between TP and FSDP
+(:func:`wrap_with_adapter`) and loads the base through :func:`base_model_tree`, so FSDP2 shards the
+adapter with the rest.
+
 Only LoRA is supported (``peft_type: "LORA"``); a transformers-4 MoE adapter (per-expert keys that
 ``peft`` converts with a block-diagonal op on load) is refused by name rather than converted.
 """
@@ -31,6 +37,7 @@ import json
 import os
 import tempfile
 from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,12 +88,14 @@ __all__ = [
     "LoraLayout",
     "adapter_config_text",
     "adapter_keys",
+    "base_model_tree",
     "load_peft_adapter",
     "lora_placements",
     "lora_tp_plan",
     "parallelize_lora",
     "read_adapter_config",
     "save_peft_adapter",
+    "wrap_with_adapter",
 ]
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"  # peft.utils.constants.SAFETENSORS_WEIGHTS_NAME
@@ -119,23 +128,35 @@ def _peft_config(model: nn.Module, adapter_name: str) -> Any:
     return config
 
 
-def adapter_keys(model: nn.Module, adapter_name: str = "default", *,
-                 save_embedding_layers: bool | str = "auto") -> dict[str, str]:
-    """The adapter's tensors as ``peft`` names them in ``adapter_model.safetensors``, each mapped to
-    the key of the model's state dict that holds it, in the file's natural order.
+@contextmanager
+def _tp_marker_hidden(model: nn.Module) -> Iterator[None]:
+    """For the block, no module of ``model`` carries transformers' ``_tp_size`` (set by
+    ``distributed_config=``): with it, peft's ``get_peft_model_state_dict`` gathers every tensor
+    of the state dict it is given (transformers' ``gather_state_dict_for_save``), and the names are
+    all it is asked for here."""
+    marked = [(module, module.__dict__["_tp_size"]) for module in model.modules()
+              if module.__dict__.get("_tp_size")]
+    for module, _ in marked:
+        module.__dict__["_tp_size"] = None
+    try:
+        yield
+    finally:
+        for module, size in marked:
+            module.__dict__["_tp_size"] = size
 
-    The names are peft's own: ``get_peft_model_state_dict`` (what ``save_pretrained`` writes) runs
-    over placeholders of the model's state dict, so no tensor is touched or gathered, and every
-    name is checked against what ``set_peft_model_state_dict`` maps it back to. A disagreement is a
-    :class:`PlanningError`: loading and saving would not be inverses.
-    """
+
+def _adapter_names(model: nn.Module, adapter_name: str,
+                   save_embedding_layers: bool | str) -> tuple[dict[str, str], frozenset[str]]:
+    """peft's file names of the adapter's tensors -> the model keys they are saved from, and the
+    file names peft's load drops (it loads them into no tensor of the model)."""
     peft = _peft()
     _peft_config(model, adapter_name)
     state = model.state_dict()
     placeholders = {key: torch.empty(0, device="meta") for key in state}
     by_id = {id(t): key for key, t in placeholders.items()}
-    selected = peft.get_peft_model_state_dict(model, state_dict=placeholders, adapter_name=adapter_name,
-                                              save_embedding_layers=save_embedding_layers)
+    with _tp_marker_hidden(model):
+        selected = peft.get_peft_model_state_dict(model, state_dict=placeholders, adapter_name=adapter_name,
+                                                  save_embedding_layers=save_embedding_layers)
     names = {}
     for file_key, tensor in selected.items():
         model_key = by_id.get(id(tensor))
@@ -144,12 +165,29 @@ def adapter_keys(model: nn.Module, adapter_name: str = "default", *,
                                 key=file_key)
         names[file_key] = model_key
     loaded = _peft_load_keys(model, list(names), adapter_name)
-    wrong = [(f, names[f], loaded.get(f)) for f in names if loaded.get(f) != names[f]]
+    dropped = frozenset(f for f in names if loaded.get(f) not in state)
+    wrong = [(f, names[f], loaded[f]) for f in names if f not in dropped and loaded[f] != names[f]]
     if wrong:
         file_key, saved_from, loaded_into = wrong[0]
         raise PlanningError(f"peft saves {saved_from!r} under this name but loads the name into {loaded_into!r}",
                             key=file_key)
-    return {key: names[key] for key in natural_sorted(names)}
+    return {key: names[key] for key in natural_sorted(names)}, dropped
+
+
+def adapter_keys(model: nn.Module, adapter_name: str = "default", *,
+                 save_embedding_layers: bool | str = "auto") -> dict[str, str]:
+    """The adapter's tensors as ``peft`` names them in ``adapter_model.safetensors``, each mapped to
+    the key of the model's state dict that holds it, in the file's natural order.
+
+    The names are peft's own: ``get_peft_model_state_dict`` (what ``save_pretrained`` writes) runs
+    over placeholders of the model's state dict, so no tensor is touched or gathered (also not on a
+    model that ``distributed_config=`` marked tensor-parallel), and every name is checked against
+    what ``set_peft_model_state_dict`` maps it back to. A disagreement is a :class:`PlanningError`:
+    loading and saving would not be inverses. A name peft's load puts into no tensor of the model is
+    kept (``save_pretrained`` writes it): with ``save_embedding_layers=True`` and an embedding in
+    ``modules_to_save``, peft also writes ``lm_head.modules_to_save.weight``, which its load drops.
+    """
+    return _adapter_names(model, adapter_name, save_embedding_layers)[0]
 
 
 def _peft_load_keys(model: nn.Module, file_keys: list[str], adapter_name: str) -> dict[str, str]:
@@ -226,11 +264,17 @@ def _join(path: str, name: str) -> str:
     return f"{os.fspath(path).rstrip('/')}/{name}"
 
 
-def read_adapter_config(path: str | os.PathLike, storage_options: Mapping[str, Any] | None = None) -> Any:
+def read_adapter_config(path: str | os.PathLike, storage_options: Mapping[str, Any] | None = None, *,
+                        is_trainable: bool = False) -> Any:
     """The ``PeftConfig`` of the adapter at ``path`` (its ``adapter_config.json``), read through
     :mod:`hp_dcp_hf.storage` (local, S3, HTTP, the Hub) and parsed by ``PeftConfig.from_pretrained``,
     so it is exactly the config ``peft`` would build. Wrap the model with it before sharding:
-    ``get_peft_model(model, read_adapter_config(path))``."""
+    ``get_peft_model(model, read_adapter_config(path, is_trainable=True))``.
+
+    ``is_trainable`` is ``PeftModel.from_pretrained``'s: the config's ``inference_mode`` becomes
+    ``not is_trainable`` (``save_pretrained`` always writes ``true``). With the default ``False``
+    ``get_peft_model`` freezes every tensor, the adapter's too, as peft's own load does; with
+    ``True`` the adapter's tensors (LoRA and ``modules_to_save``) train and the base stays frozen."""
     peft = _peft()
     location, single = locate(*filesystem(os.fspath(path), storage_options))
     if single is not None:
@@ -255,10 +299,15 @@ def read_adapter_config(path: str | os.PathLike, storage_options: Mapping[str, A
         with open(os.path.join(directory, ADAPTER_CONFIG), "wb") as handle:
             handle.write(raw)
         try:
-            return peft.PeftConfig.from_pretrained(directory)
+            config = peft.PeftConfig.from_pretrained(directory)
         except (TypeError, ValueError, KeyError) as e:
             raise CheckpointFormatError(f"peft cannot read it: {type(e).__name__}: {e}",
                                         file=location.url(ADAPTER_CONFIG)) from e
+    if is_trainable and config.is_prompt_learning:  # peft's own refusal, typed
+        raise ArgumentError("a prompt learning adapter cannot be loaded as trainable (peft refuses it too)",
+                            file=location.url(ADAPTER_CONFIG))
+    config.inference_mode = not is_trainable
+    return config
 
 
 def _base_model_class(model: nn.Module, config: Any) -> type:
@@ -316,7 +365,7 @@ class _AdapterLoadPlanner(HFMappingPlanner):
 
     def plan_reads(self, state_dict: Mapping[str, Any], metadata: Metadata) -> list[ReadItem]:
         stored = {key: md for key, md in metadata.state_dict_metadata.items()
-                  if isinstance(md, TensorStorageMetadata)}
+                  if isinstance(md, TensorStorageMetadata) and key not in self.claimed_source_keys}
         self.external_target_fqns = frozenset(key for key in self.optional if key not in stored)
         state_dict = {key: value for key, value in state_dict.items() if key not in self.external_target_fqns}
         extra = natural_sorted(set(stored) - set(state_dict))
@@ -342,6 +391,25 @@ class _AdapterLoadPlanner(HFMappingPlanner):
         return super().plan_reads(self.state_dict, metadata)
 
 
+def _check_fsdp_manages(model: nn.Module, names: Mapping[str, str]) -> None:
+    """A trainable adapter tensor of a model sharded by ``fully_shard`` is one FSDP2 manages (a
+    DTensor): one added after ``fully_shard`` is a plain tensor whose gradients no collective
+    reduces over the data-parallel ranks, so every rank would train an adapter of its own."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not any(isinstance(module, FSDPModule) for module in model.modules()):
+        return
+    params = dict(model.named_parameters())
+    unmanaged = [key for key in names.values()
+                 if key in params and params[key].requires_grad and not isinstance(params[key], DTensor)]
+    if unmanaged:
+        raise LayoutError(f"{len(unmanaged)} trainable adapter tensors are not sharded by fully_shard (the adapter "
+                          "was added after it): their gradients would not be reduced over the data-parallel ranks; "
+                          "add it before fully_shard (get_peft_model + parallelize_lora, then fully_shard), or "
+                          "load with hp_dcp_hf.from_pretrained(..., adapter=path, is_trainable=True)",
+                          key=unmanaged[0])
+
+
 def load_peft_adapter(
     model: nn.Module,
     path: str | os.PathLike,
@@ -365,14 +433,19 @@ def load_peft_adapter(
     (:class:`CheckpointFormatError`), an adapter for another base class
     (:class:`ArchitectureMismatchError`), file tensors the model lacks (:class:`UnexpectedKeysError`),
     LoRA tensors the file lacks (:class:`MissingKeysError`), other shapes (:class:`MappingError`);
-    each names the file, the key and why. ``reader`` may be given to read its statistics
-    afterwards; ``load_options`` go to :func:`~hp_dcp_hf.load_hf_checkpoint`.
+    each names the file, the key and why. So is a trainable adapter tensor that ``fully_shard``
+    does not shard (:class:`LayoutError`: the adapter was added after FSDP2, which would not reduce
+    its gradients). ``reader`` may be given to read its statistics afterwards; ``load_options`` go
+    to :func:`~hp_dcp_hf.load_hf_checkpoint`. As peft's ``load_adapter``, a frozen adapter (its
+    config's ``inference_mode``, ``read_adapter_config``'s default) puts the model in ``eval()``.
     """
     path = os.fspath(path)
-    names = adapter_keys(model, adapter_name, save_embedding_layers=True)
-    required = adapter_keys(model, adapter_name, save_embedding_layers=False)
+    names, dropped = _adapter_names(model, adapter_name, save_embedding_layers=True)
+    names = {key: value for key, value in names.items() if key not in dropped}  # as peft's load: into nothing
+    required = frozenset(adapter_keys(model, adapter_name, save_embedding_layers=False)) - dropped
     if not required:
         raise ArgumentError(f"adapter {adapter_name!r} of the model has no tensors to load")
+    _check_fsdp_manages(model, names)
     location, single = locate(*filesystem(path, storage_options))
     if single is not None:
         raise ArgumentError(f"pass the adapter's directory, not the file {single!r}", file=path)
@@ -382,9 +455,13 @@ def load_peft_adapter(
         raise CheckpointNotFoundError("the adapter has no adapter_model.safetensors", file=location.url(ADAPTER_WEIGHTS))
     weights = _join(path, ADAPTER_WEIGHTS)
     view = AdapterTensors(model, names)
-    planner = _AdapterLoadPlanner(view, location.url(ADAPTER_WEIGHTS), frozenset(names) - frozenset(required))
+    planner = _AdapterLoadPlanner(view, location.url(ADAPTER_WEIGHTS), frozenset(names) - required,
+                                  claimed_source_keys=dropped)
     reader = reader if reader is not None else HFStorageReader(weights, storage_options=storage_options)
-    return load_hf_checkpoint(view, weights, reader=reader, planner=planner, **load_options)
+    report = load_hf_checkpoint(view, weights, reader=reader, planner=planner, **load_options)
+    if _peft_config(model, adapter_name).inference_mode:
+        model.eval()  # as peft's load_adapter(is_trainable=False): a frozen adapter is for inference
+    return report
 
 
 # -- save ----------------------------------------------------------------------------------------
@@ -512,7 +589,9 @@ def _lora_layers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
 def lora_tp_plan(model: nn.Module) -> dict[str, LoraLayout]:
     """Every LoRA layer of ``model`` whose base layer is tensor-parallel, with the layout
     :func:`lora_placements` derives from its base weight; base layers without a DTensor weight
-    are left out (their LoRA stays as it is). A sharded base this cannot follow (an embedding,
+    are left out (their LoRA stays as it is), and so are LoRA layers laid out already (peft does it
+    itself when ``get_peft_model`` wraps a model that transformers' ``distributed_config=`` made
+    tensor-parallel). A sharded base this cannot follow (an embedding,
     a LoRA on a parameter such as stacked experts, a model sharded by FSDP2 already) is a
     :class:`LayoutError` naming the module."""
     from peft.tuners.lora import Linear as LoraLinear
@@ -526,7 +605,11 @@ def lora_tp_plan(model: nn.Module) -> dict[str, LoraLayout]:
             continue
         if any(isinstance(m, FSDPModule) for m in model.modules()):
             raise LayoutError("the model is sharded by fully_shard already: call parallelize_lora after TP and "
-                              "before fully_shard", key=name)
+                              "before fully_shard (a model of distributed_config=: pass the adapter to "
+                              "hp_dcp_hf.from_pretrained(..., adapter=path), which adds it in between)", key=name)
+        if any(isinstance(p, DTensor) for role in ("lora_A", "lora_B") for linear in getattr(module, role).values()
+               for p in linear.parameters(recurse=False)):
+            continue  # laid out already: by peft itself (over transformers' TP) or an earlier parallelize_lora
         if not isinstance(module, LoraLinear) or not isinstance(base, nn.Linear):
             raise LayoutError(f"a LoRA {type(module).__name__} over a tensor-parallel {type(base).__name__}: only "
                               "LoRA on nn.Linear follows a TP layout", key=name)
@@ -623,3 +706,103 @@ def parallelize_lora(model: nn.Module) -> dict[str, LoraLayout]:
                 linear.in_features, linear.out_features = shapes["weight"][1], shapes["weight"][0]
                 parallelize_module(linear, mesh, _style(placement, role))
     return plan
+
+
+# -- an adapter inside the parallelization (from_pretrained's adapter=) ----------------------------
+
+
+def wrap_with_adapter(model: nn.Module, config: Any, *, adapter_name: str = "default") -> nn.Module:
+    """``get_peft_model(model, config)`` and :func:`parallelize_lora`, for a model that is
+    tensor-parallel (or whole) and not yet sharded by ``fully_shard``, on the meta device or not;
+    returns the PEFT model (``model`` itself is changed in place: its target modules are peft's
+    layers now). The adapter's tensors are created on the base layers' devices without peft's
+    init (``low_cpu_mem_usage``): a load fills them. Which tensors train is the config's
+    (``read_adapter_config(path, is_trainable=...)``).
+
+    :func:`hp_dcp_hf.from_pretrained` calls it between TP and FSDP (``adapter=``), so that FSDP2
+    shards the adapter with the base and reduces its gradients over the data-parallel ranks."""
+    from torch.distributed.fsdp import FSDPModule
+
+    peft = _peft()
+    if any(isinstance(module, FSDPModule) for module in model.modules()):
+        raise LayoutError("the model is sharded by fully_shard already: an adapter added now would not be sharded "
+                          "by FSDP2 (nor its gradients reduced); add it before fully_shard")
+    # peft lays LoRA out over transformers' TP by itself when the model carries transformers' mesh
+    # (``_device_mesh``, set by distributed_config=): its lora_B / lora_A hooks and parallelize_lora's
+    # would both run. Here parallelize_lora alone does it, as on a model of a recipe of one's own.
+    mesh = model.__dict__.get("_device_mesh")
+    if mesh is not None:
+        model.__dict__["_device_mesh"] = None
+    try:
+        peft_model = peft.get_peft_model(model, config, adapter_name=adapter_name, low_cpu_mem_usage=True)
+    finally:
+        if mesh is not None:
+            model.__dict__["_device_mesh"] = mesh
+    _copies_forward_themselves(model)
+    parallelize_lora(peft_model)
+    return peft_model
+
+
+def _copies_forward_themselves(model: nn.Module) -> None:
+    """Give every ``modules_to_save`` copy of a tensor-parallel module its own TP forward.
+
+    transformers' TP (``distributed_config=``) replaces a module's ``forward`` by a closure over
+    that module (``TensorParallelLayer.install_forward``); peft's copy is a ``deepcopy``, which
+    keeps the closure, so the copy would compute with the original's weights, silently. The style
+    and mesh are the closure's own; anything else replacing ``forward`` is refused by name."""
+    _peft()
+    from peft.utils.other import ModulesToSaveWrapper
+    from transformers.distributed.tensor_parallel import TensorParallelLayer
+
+    for name, wrapper in model.named_modules():
+        if not isinstance(wrapper, ModulesToSaveWrapper):
+            continue
+        forward = wrapper.original_module.__dict__.get("forward")
+        if forward is None:
+            continue
+        code, closure = getattr(forward, "__code__", None), getattr(forward, "__closure__", None) or ()
+        cells = dict(zip(code.co_freevars, closure)) if code is not None else {}
+        style = cells["self"].cell_contents if "self" in cells else None
+        if not isinstance(style, TensorParallelLayer) or "mesh" not in cells:
+            raise LayoutError("modules_to_save copies a module whose forward is replaced by something else than "
+                              "transformers' tensor parallelism: the copy would run the original's forward", key=name)
+        for copied in wrapper.modules_to_save.values():
+            if copied.__dict__.get("forward") is forward:
+                del copied.__dict__["forward"]
+                style.install_forward(copied, cells["mesh"].cell_contents)
+
+
+@contextmanager
+def base_model_tree(model: nn.Module) -> Iterator[nn.Module]:
+    """For the block, the base model of the PEFT model ``model`` with the module tree it had before
+    ``get_peft_model``: every peft layer swapped for its base layer (a LoRA ``Linear`` for its
+    ``nn.Linear``, nested ``ParamWrapper`` s for the experts module, a ``modules_to_save`` wrapper
+    for its original module). The tensors are the same; their names are the base class' own, so
+    the base checkpoint loads through the ordinary planner (transformers' mapping, ties, the
+    model's init of what it lacks) and nothing of the adapter is touched."""
+    _peft()
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils.other import AuxiliaryTrainingWrapper
+
+    base = model.get_base_model()
+    swaps: list[tuple[nn.Module, str, nn.Module, nn.Module]] = []
+    covered: list[str] = []
+    for name, module in base.named_modules():
+        if not name or any(name.startswith(prefix) for prefix in covered):
+            continue
+        if isinstance(module, AuxiliaryTrainingWrapper):
+            original = module.original_module
+        elif isinstance(module, BaseTunerLayer):
+            original = module.get_base_layer()
+        else:
+            continue
+        parent_name, _, child = name.rpartition(".")
+        swaps.append((base.get_submodule(parent_name), child, module, original))
+        covered.append(name + ".")
+    for parent, child, _, original in swaps:
+        parent._modules[child] = original
+    try:
+        yield base
+    finally:
+        for parent, child, module, _ in swaps:
+            parent._modules[child] = module

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -135,13 +135,19 @@ class TransformersPlans:
     Every rank calls it inside a process group of ``dp_replicate * fsdp * tp`` ranks. After the
     call, :attr:`applied` says what was sharded and :attr:`unsharded` what a requested dim left
     whole, and why (also a warning on rank 0 when ``warn``).
+
+    ``before_fsdp(model)``, when given, runs once on the model after TP and EP and before FSDP
+    (also when no dim is sharded), and rewrites it in place: where a PEFT adapter is added, so that
+    FSDP2 shards its tensors with the rest (:func:`hp_dcp_hf.from_pretrained`'s ``adapter=``).
     """
 
-    def __init__(self, config: Any, *, warn: bool = True) -> None:
+    def __init__(self, config: Any, *, warn: bool = True,
+                 before_fsdp: Callable[[nn.Module], None] | None = None) -> None:
         if isinstance(config, str | Mapping):
             config = distributed_config(config)
         self.config = config
         self.warn = warn
+        self.before_fsdp = before_fsdp
         self.applied: list[str] = []
         self.unsharded: list[Unsharded] = []
         self.mesh_manager = None
@@ -173,6 +179,8 @@ class TransformersPlans:
         self.applied, self.unsharded, self.mesh_manager = [], [], mesh_manager
         if mesh_manager is None:
             self.applied.append("no parallelism: every size is 1")
+            if self.before_fsdp is not None:
+                self.before_fsdp(model)
             return model
         with embeddings_answered(model):
             return self._apply(model, config, mesh_manager)
@@ -210,6 +218,8 @@ class TransformersPlans:
             else:
                 self.unsharded.append(Unsharded("ep", tuple(sorted({_wildcard(k) for k in ep_plan})),
                                                 "the ep plan has no 'ep_dispatch_experts' rule"))
+        if self.before_fsdp is not None:
+            self.before_fsdp(model)
         if config.dp_size > 1:
             with scalars_set_aside(model) as scalars:
                 fsdp_plan = self._shard_tied_together(model, config, fsdp_plan)
@@ -262,11 +272,12 @@ class TransformersPlans:
 
         owners = []
         for tied, source in (getattr(model, "all_tied_weights_keys", None) or {}).items():
-            try:
-                same = model.get_parameter(tied) is model.get_parameter(source)
+            modules = tuple(name.rpartition(".")[0] for name in (source, tied))
+            try:  # the two modules hold one tensor (a wrapper, peft's modules_to_save, holds it one level down)
+                held = [{id(p) for p in model.get_submodule(m).parameters()} for m in modules]
             except AttributeError:
                 continue
-            modules = tuple(name.rpartition(".")[0] for name in (source, tied))
+            same = not held[0].isdisjoint(held[1])
             if same and modules not in owners and all(model.get_submodule(m) is not model for m in modules):
                 owners.append(modules)  # once per module pair: a tied weight and its tied bias share one
         if not owners:
