@@ -237,7 +237,10 @@ def save_hf_checkpoint(
     ``FineGrainedFP8Config`` chooses ``weight_block_size`` and ``modules_to_not_convert``): the
     modules it converts are stored as ``float8_e4m3fn`` with their ``weight_scale_inv``, quantized
     from the values ``dtype`` gives, in the same single pass (ranks that share a scale block agree
-    on its amax first; :mod:`hp_dcp_hf.quantize`).
+    on its amax first; :mod:`hp_dcp_hf.quantize`). A weight whose last two dims are not multiples
+    of the block keeps the model's dtype and is listed in ``modules_to_not_convert``, as
+    transformers' quantizer keeps it; ``quantize=CeilGrids("fp8")`` writes those in FP8 on ceil
+    scale grids instead (DeepSeek-V3's layout, which transformers' CPU load mis-reads).
 
     ``pipeline_stage=True``: every rank's ``model`` is one pipeline stage (its layers, under their
     names in the whole model); the stages together write one checkpoint, published once, each its
