@@ -444,7 +444,8 @@ def from_pretrained(
         init_seed: seed of the init of missing keys (``strict=False``); default: drawn from the
             global RNG (seed every rank alike). Sharded ones are initialized whole, so replicas agree.
         adapter: a PEFT LoRA adapter (a directory with ``adapter_config.json`` and
-            ``adapter_model.safetensors``; local, S3, HTTP, the Hub) to apply and load, as
+            ``adapter_model.safetensors``; local, S3, HTTP, the Hub, read with the checkpoint's
+            ``storage_options``) to apply and load, as
             ``PeftModel.from_pretrained(model, adapter)`` does: the model is wrapped with peft's
             ``get_peft_model`` after TP and EP and before FSDP (the LoRA layers sharded as their
             base layers, :func:`~hp_dcp_hf.integrations.peft.parallelize_lora`, and then by FSDP2
@@ -473,7 +474,8 @@ def from_pretrained(
     if adapter is not None:
         from hp_dcp_hf.integrations.peft import read_adapter_config
 
-        adapter_config = read_adapter_config(adapter, is_trainable=is_trainable)
+        adapter_options = reader_options.get("storage_options")  # the adapter's store is the checkpoint's
+        adapter_config = read_adapter_config(adapter, adapter_options, is_trainable=is_trainable)
     elif is_trainable:
         raise ArgumentError("is_trainable= says whether the adapter trains: pass adapter= too")
     if distributed_config is not None:
@@ -535,7 +537,7 @@ def from_pretrained(
 
         logger.info("loading the adapter %s", adapter)
         model = adapted[0]
-        adapter_report = load_peft_adapter(model, adapter)  # a frozen one puts the model in eval(), as peft's
+        adapter_report = load_peft_adapter(model, adapter, storage_options=adapter_options)  # a frozen one puts the model in eval(), as peft's
         lap("adapter")
     report = PretrainedLoadReport(
         base.loaded_keys,
