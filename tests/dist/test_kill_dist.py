@@ -38,8 +38,7 @@ from hp_dcp_hf.storage.write.writer import destination_for
 from hp_dcp_hf.toolkit import inspect_checkpoint
 from tests.families import family_model_class, save_family_model
 from tests.save_jobs import SHARD, Zygote, build_model
-from tests.servers.s3 import MotoS3
-from tests.test_multipart import BUCKET, moto  # noqa: F401 - moto: the S3 server fixture
+from tests.servers.s3 import BUCKET, MotoS3
 
 OLD, NEW = 1, 2  # the seeds of the older checkpoint and of the model the job saves
 RANDOM_TRIES = int(os.environ.get("HP_DCP_HF_KILL_TRIES", "6"))

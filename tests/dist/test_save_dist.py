@@ -191,8 +191,8 @@ def _s3_save(rank: int, world: int, checkpoint: str, out: str, prefix: str, opti
 
 def test_4_ranks_save_to_s3_what_they_save_locally(tmp_path):
     from hp_dcp_hf.storage.write.parts import MIN_PART_BYTES
-    from tests.servers.s3 import MotoS3
-    from tests.test_multipart import BUCKET, big_llama, local_files, objects, pending_uploads
+    from tests.servers.s3 import BUCKET, MotoS3
+    from tests.test_multipart import big_llama, local_files, objects, pending_uploads
 
     checkpoint = save_family_model(big_llama(), tmp_path / "reference", "12MB")
     moto = MotoS3(tmp_path / "recording.jsonl")
