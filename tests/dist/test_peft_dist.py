@@ -7,7 +7,7 @@ files peft's ``save_pretrained`` writes for the unsharded adapter.
 
 Three ways to the sharded PEFT model, each a case:
 
-- ``recipe``: the README's training recipe (a TP recipe of one's own, ``get_peft_model`` with
+- ``recipe``: docs/peft.md's training recipe (a TP recipe of one's own, ``get_peft_model`` with
   ``read_adapter_config(path, is_trainable=True)``, ``parallelize_lora``, ``fully_shard``);
 - ``adapter``: ``from_pretrained(base, distributed_config=..., adapter=path, is_trainable=True)``
   (transformers' plans, the adapter added between TP and FSDP);
@@ -86,7 +86,7 @@ def _tp_plan(family: str) -> dict:
 
 
 def _sharded_peft_model(family: str, mesh_spec: str, base: str, adapter: str):
-    """The README's training recipe: the base model with TP (its own recipe), wrapped by peft with
+    """docs/peft.md's training recipe: the base model with TP (its own recipe), wrapped by peft with
     the adapter's config as trainable, the LoRA layers sharded as their bases, then FSDP2 over ``dp``."""
     from peft import get_peft_model
     from torch.distributed.fsdp import fully_shard
@@ -328,7 +328,7 @@ def _check(adapters, results, cases, out: str, case: str) -> None:
 
 
 def _check_training(adapters, results, cases, out: str, case: str) -> None:
-    """The README's training recipe (and ``adapter=`` with ``is_trainable=True``) trains: exactly
+    """docs/peft.md's training recipe (and ``adapter=`` with ``is_trainable=True``) trains: exactly
     the adapter's tensors require grad, one SGD step changes every one of them to what the same
     step gives on peft's unsharded model, the saved adapter reloads with
     ``PeftModel.from_pretrained`` to the trained values, and its logits are the sharded model's."""
