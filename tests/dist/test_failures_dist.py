@@ -61,7 +61,7 @@ def test_mismatches_raise_the_same_error_on_every_rank_before_any_write(tiny_che
         assert name == error_type.__name__
         assert all(r[case][1] for r in results), f"{case}: a rank's model changed"
     assert "model expects (42, 44), checkpoint makes (43, 44)" in results[0]["size"][0][1]
-    assert "the checkpoint is a 'llama' model" in results[0]["architecture"][0][1]  # named, with the missing keys
+    assert "config.json names model_type 'llama'" in results[0]["architecture"][0][1]  # named, with the missing keys
     assert "model.layers.0.mlp.experts.gate_up_proj" in results[0]["architecture"][0][1]
 
 
