@@ -44,7 +44,7 @@ help:
 	@echo "make compat TORCH=2.X.Y  the pytest run of make test in .venv-compat-TORCH, with torch==TORCH"
 	@echo "make fuzz       the dedicated 10,000-case parser fuzzing run"
 	@echo "make bench      benchmarks (bench/README.md; BENCH_ARGS='--size full' for the real run)"
-	@echo "make lint       ruff check (git's tracked files + new files under $(LINT_SOURCES))"
+	@echo "make lint       ruff check (git's tracked files + new files under $(LINT_SOURCES)) + the layer contracts (lint-imports)"
 	@echo "make format     ruff format + ruff check --fix"
 	@echo "make venv       create $(VENV) and install the project with [test,demo] extras"
 	@echo "make clean      remove caches and build outputs (keeps $(VENV))"
@@ -70,6 +70,7 @@ $(DEMO_STAMP): pyproject.toml
 
 lint: venv
 	@$(RUFF_CHECK)
+	@$(BIN)/lint-imports --no-cache --no-logo pyproject.toml
 
 format: venv
 	$(BIN)/ruff format .

@@ -14,8 +14,8 @@ import statistics
 import time
 from collections.abc import Sequence
 
-from hp_dcp_hf.perf import paused_gc
 from hp_dcp_hf.storage.format.catalog import Catalog, CheckpointTensor
+from hp_dcp_hf.util.perf import paused_gc
 
 
 def _timed(call) -> float:

@@ -2,8 +2,8 @@
 
 The checkpoints are the ``moe`` workload of :mod:`bench.workloads` (a ``Qwen3MoeForCausalLM`` of
 ``--size`` bytes of random bf16 weights, the files ``save_pretrained`` writes), compressed file by
-file by compressed-tensors' own compressors, as llm-compressor does and as ``tests/compressed.py``
-does for the tests (:func:`tests.compressed.compress_modules`: the checkpoint's ``Linear`` weights
+file by compressed-tensors' own compressors, as llm-compressor does and as ``tests/support/compressed.py``
+does for the tests (:func:`tests.support.compressed.compress_modules`: the checkpoint's ``Linear`` weights
 as ``nn.Linear`` modules, ``apply_quantization_config``, a min-max observer through
 compressed-tensors' ``calculate_qparams`` / ``generate_gparam``, ``ModelCompressor.compress_model``,
 ``update_config``). Quantized: every attention and expert projection (``.layers.*_proj``);
@@ -18,7 +18,7 @@ Generated once into ``<cache>/moe-<format>-<size>``. Contenders, each in its own
 gloo ranks after a warm page cache, ``warmup`` untimed then ``reps`` timed loads:
 
 * ``limit``: ``os.preadv`` of exactly the byte ranges this project's plan reads on each rank
-  (:func:`hp_dcp_hf.toolkit.plan_ranks`), into a touched buffer (:class:`bench.limit.RawReads`):
+  (:func:`hp_dcp_hf.tools.toolkit.plan_ranks`), into a touched buffer (:class:`bench.limit.RawReads`):
   no planning, no dequantization. The floor.
 * ``dcp``: this project: the bf16 model ``hp_dcp_hf.from_pretrained(path, dtype=bf16,
   distributed_config="dp=2,tp=2")`` builds (built once), then ``load_hf_checkpoint(model, path)``
@@ -29,7 +29,7 @@ gloo ranks after a warm page cache, ``warmup`` untimed then ``reps`` timed loads
   into the shard).
 * ``peer``: compressed-tensors on every rank, the best CPU path there is: every file read whole
   (``safetensors.torch.load_file``), the full state dict decompressed by
-  ``ModelCompressor.decompress_model`` (:func:`tests.compressed.decompress_tensors`, the tests'
+  ``ModelCompressor.decompress_model`` (:func:`tests.support.compressed.decompress_tensors`, the tests'
   oracle), then each of the rank's parameters built from it (the model's weight conversions:
   stacked experts) and sliced to its shard (``distribute_tensor(..., src_data_rank=None)``: local
   slicing, no communication). compressed-tensors runs as in one process (``torch.distributed.
@@ -88,7 +88,7 @@ def ensure_compressed_workload(fmt: str, size: int, cache_dir: Path, *, seed: in
     from safetensors.torch import load_file, save_file
 
     from bench.workloads import make_config, verify_layout, write_checkpoint
-    from tests.compressed import compress_modules
+    from tests.support.compressed import compress_modules
 
     groups = FORMATS[fmt]
     config = make_config("moe", size)
@@ -163,7 +163,7 @@ def _wrap(owner: type, name: str, spans: list[tuple[float, float]]) -> Callable[
 def _dcp(job: Job, rank: int) -> list[Row]:
     from bench.contenders import _timed_method
     from hp_dcp_hf import HFMappingPlanner, HFStorageReader, load_hf_checkpoint
-    from hp_dcp_hf.mapping.compressed import CompressedWeight
+    from hp_dcp_hf.quant.compressed import CompressedWeight
 
     row = Row("dcp", rank)
     model, mapping = _dcp_model(job.path)
@@ -208,7 +208,8 @@ def _conversions(model, params: Sequence[str]) -> dict[str, tuple[list[str], tor
     is the parameter, and None, or (when no order is) a flat index per key's elements."""
     from transformers.core_model_loading import revert_weight_conversion
 
-    from hp_dcp_hf.pipeline import build_skeleton, read_config, resolve_model_class
+    from hp_dcp_hf.model.config import read_config, resolve_model_class
+    from hp_dcp_hf.model.skeleton import build_skeleton
 
     state = model.state_dict()
     config = read_config(model._bench_path)
@@ -233,7 +234,7 @@ def _meta_container(shapes, quantization_config):
     from compressed_tensors.quantization import apply_quantization_config
     from transformers.utils.quantization_config import CompressedTensorsConfig
 
-    from tests.compressed import _container
+    from tests.support.compressed import _container
 
     compressor = ModelCompressor.from_compression_config(CompressedTensorsConfig.from_dict(dict(quantization_config)))
     with torch.device("meta"):
@@ -409,8 +410,8 @@ def run_compressed(fmt: str, workload: Workload, *, reps: int = 3, warmup: int =
     """One format's part for ``workload`` (a checkpoint of :func:`ensure_compressed_workload`)."""
     from bench.layouts import parse_mesh
     from bench.workloads import warm_page_cache
-    from hp_dcp_hf.launch import run_ranks
-    from hp_dcp_hf.toolkit import inspect_checkpoint, plan_ranks
+    from hp_dcp_hf.tools.launch import run_ranks
+    from hp_dcp_hf.tools.toolkit import inspect_checkpoint, plan_ranks
 
     unknown = sorted(set(contenders) - set(CONTENDERS))
     if unknown:

@@ -192,7 +192,7 @@ _EXPERTS = re.compile(r"(?P<prefix>.*\.experts)\.(?P<which>gate_up_proj|down_pro
 def torch_state_dict(model: nn.Module) -> tuple[dict[str, torch.Tensor], list[tuple[torch.Tensor, list[torch.Tensor]]]]:
     """The state dict torch's reader can load (checkpoint names and shapes), and the stacking left
     to do afterwards: ``(local expert slot, per-expert tensors to concatenate into it)``."""
-    from hp_dcp_hf.layout import local_shard_pieces
+    from hp_dcp_hf.geometry.shards import local_shard_pieces
 
     state: dict[str, torch.Tensor] = {}
     stacks: list[tuple[torch.Tensor, list[torch.Tensor]]] = []

@@ -38,7 +38,7 @@ from torch.distributed.fsdp import fully_shard  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 from hp_dcp_hf import HFStorageReader, from_pretrained  # noqa: E402
-from tests.models import make_checkpoint, model_class  # noqa: E402
+from tests.support.models import make_checkpoint, model_class  # noqa: E402
 
 ROWS, COLS = 8192, 8192  # 128 MiB per bf16 tensor
 

@@ -16,9 +16,9 @@ import warnings
 from pathlib import Path
 
 from tests.dist.test_kill_dist import BUCKET, NEW, OLD, Place, random_kills
-from tests.families import save_family_model
-from tests.save_jobs import SHARD, Zygote, build_model
-from tests.servers.s3 import MotoS3
+from tests.support.families import save_family_model
+from tests.support.save_jobs import SHARD, Zygote, build_model
+from tests.support.servers.s3 import MotoS3
 
 
 def main() -> None:

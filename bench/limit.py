@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hp_dcp_hf.box import Box
+from hp_dcp_hf.geometry.box import Box
 from hp_dcp_hf.storage import TensorEntry, box_byte_ranges
 
 CHUNK = 8 * 2**20

@@ -17,7 +17,7 @@ from typing import Any
 
 from bench.contenders import Job, run_rank
 from bench.workloads import Workload, warm_page_cache
-from hp_dcp_hf.launch import run_ranks
+from hp_dcp_hf.tools.launch import run_ranks
 
 
 def run_case(workload: Workload, world: int, contender: str, mesh: dict[str, int], *, reps: int, warmup: int,

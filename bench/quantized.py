@@ -3,7 +3,7 @@
 The checkpoint is the ``moe`` workload of :mod:`bench.workloads` (a ``Qwen3MoeForCausalLM`` of
 ``--size`` bytes of random bf16 weights, the files ``save_pretrained`` writes), then FP8-quantized
 file by file by transformers' own ``Fp8Quantize`` exactly as the demo does
-(:func:`hp_dcp_hf.demo._quantize_fp8`: blocks of 128 x 128, float32 ``weight_scale_inv``, every
+(:func:`hp_dcp_hf.tools.demo._quantize_fp8`: blocks of 128 x 128, float32 ``weight_scale_inv``, every
 2-D ``.layers.`` weight but the routers; embeddings, norms and routers stay bf16). Widths are
 multiples of 128, so every such weight is quantized. Generated once into ``<cache>/moe-fp8-<size>``.
 
@@ -11,7 +11,7 @@ Contenders, each in its own process group of 4 gloo ranks after a warm page cach
 untimed then ``reps`` timed loads:
 
 * ``limit``: ``os.preadv`` of exactly the byte ranges this project's plan reads on each rank
-  (:func:`hp_dcp_hf.toolkit.plan_ranks` for the same layout, planned in the bench process), same
+  (:func:`hp_dcp_hf.tools.toolkit.plan_ranks` for the same layout, planned in the bench process), same
   threads, into a touched buffer (:class:`bench.limit.RawReads`): no planning, no dequantization.
 * ``dcp``: this project: the bf16 model laid out by transformers' plans over ``dp=2,tp=2`` (what
   ``hp_dcp_hf.from_pretrained(path, dtype=torch.bfloat16, distributed_config="dp=2,tp=2")``
@@ -65,7 +65,7 @@ BLOCK = 128
 def ensure_fp8_workload(size: int, cache_dir: Path, *, seed: int = 0, log: Callable[[str], None] = print) -> Workload:
     """The FP8 MoE checkpoint of ``size`` bytes of bf16 weights before quantization, under ``cache_dir``."""
     from bench.workloads import make_config, verify_layout, write_checkpoint
-    from hp_dcp_hf.demo import FP8_CONFIG, _quantize_fp8
+    from hp_dcp_hf.tools.demo import FP8_CONFIG, _quantize_fp8
 
     config = make_config("moe", size)
     path = Path(cache_dir) / f"moe-fp8-{size_tag(size)}"
@@ -105,14 +105,10 @@ def _dcp_model(path: str):
     builds (transformers' plans over the mesh), local shards NaN, and its checkpoint mapping."""
     from torch import nn
 
-    from hp_dcp_hf.pipeline import (
-        build_skeleton,
-        checkpoint_mapping,
-        materialize,
-        read_config,
-        resolve_model_class,
-    )
-    from hp_dcp_hf.toolkit import parallelize_for
+    from hp_dcp_hf.model.config import read_config, resolve_model_class
+    from hp_dcp_hf.model.finalize import materialize
+    from hp_dcp_hf.model.skeleton import build_skeleton, checkpoint_mapping
+    from hp_dcp_hf.tools.toolkit import parallelize_for
 
     config = read_config(path)
     model = build_skeleton(config, resolve_model_class(config), dtype=torch.bfloat16)
@@ -248,7 +244,8 @@ def _torch(job: Job, rank: int) -> list[Row]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import DefaultLoadPlanner, QuantizedHuggingFaceStorageReader
 
-    from hp_dcp_hf.pipeline import build_skeleton, read_config, resolve_model_class
+    from hp_dcp_hf.model.config import read_config, resolve_model_class
+    from hp_dcp_hf.model.skeleton import build_skeleton
 
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)  # full_tensor() below
     row = Row("torch", rank)
@@ -513,8 +510,8 @@ def run_quantized(workload: Workload, *, reps: int = 3, warmup: int = 1, threads
     """The quantized part for ``workload`` (an FP8 checkpoint of :func:`ensure_fp8_workload`)."""
     from bench.layouts import parse_mesh
     from bench.workloads import warm_page_cache
-    from hp_dcp_hf.launch import run_ranks
-    from hp_dcp_hf.toolkit import inspect_checkpoint, plan_ranks
+    from hp_dcp_hf.tools.launch import run_ranks
+    from hp_dcp_hf.tools.toolkit import inspect_checkpoint, plan_ranks
 
     unknown = sorted(set(contenders) - set(CONTENDERS))
     if unknown:

@@ -98,7 +98,7 @@ def run_real(cache_dir: Path, *, world: int = 3, timeout: float = 900, log=print
         log(message)
         return {"skipped": message}
     from bench.workloads import warm_page_cache
-    from hp_dcp_hf.launch import run_ranks
+    from hp_dcp_hf.tools.launch import run_ranks
 
     path = ensure_checkpoint(cache_dir, log)
     ids, expected = reference_logits(path)

@@ -65,7 +65,7 @@ from bench.contenders import Job, Row, legacy_digests, load_config, repeat_loads
 from bench.layouts import mesh_label
 from bench.loads import aggregate
 from bench.workloads import Workload, size_tag
-from hp_dcp_hf.launch import run_ranks
+from hp_dcp_hf.tools.launch import run_ranks
 
 BUCKET = "bench"
 CONTENDERS = ("dcp-s3", "dcp-s3-direct", "limit", "limit-direct", "s3fs-whole", "dcp-local", "dcp-local-coop")

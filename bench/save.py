@@ -85,7 +85,7 @@ def _save_once(contender: str, model, out: str, state: dict[str, Any]) -> int:
     import torch.distributed.checkpoint as dcp
 
     if contender == "dcp":
-        from hp_dcp_hf.api import save_hf_checkpoint
+        from hp_dcp_hf.save.api import save_hf_checkpoint
 
         writer = _recording_writer(out)
         save_hf_checkpoint(model, out, writer=writer)
@@ -144,7 +144,7 @@ def run_rank(rank: int, world: int, path: str, mesh: str, out_root: str, contend
             rows[contender] = {"wall_s": times, "bytes_written": written, "rss_growth": growth}
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - recorded, the others still run
             if isinstance(e, CheckpointException):
-                from hp_dcp_hf.api import unwrap_checkpoint_exception
+                from hp_dcp_hf.util.dcp import unwrap_checkpoint_exception
 
                 e = unwrap_checkpoint_exception(e)
             rows[contender] = {"error": f"{type(e).__name__}: {str(e)[:800]}"}
@@ -154,7 +154,7 @@ def run_rank(rank: int, world: int, path: str, mesh: str, out_root: str, contend
 
 def run_save(workload, *, contenders=CONTENDERS, mesh: str = "dp=2,tp=2", world: int = 4, reps: int = 3,
              warmup: int = 1, timeout: float = 1800, out_root: Path) -> dict[str, Any]:
-    from hp_dcp_hf.launch import run_ranks
+    from hp_dcp_hf.tools.launch import run_ranks
 
     contenders = [c for c in contenders if c != "limit" or "dcp" in contenders]
     if "limit" in contenders:  # the limit replays dcp's writes: dcp first

@@ -20,7 +20,7 @@ Per world and layout:
 
 * every rank's bytes, exactly and cheaply: a traced mapping sends each element of a rank's local
   shards to one checkpoint element, so a rank needs ``sum(local numel x itemsize)``, from
-  :func:`hp_dcp_hf.layout.shard_pieces` alone (pure); the legacy pattern reads, for every model
+  :func:`hp_dcp_hf.geometry.shards.shard_pieces` alone (pure); the legacy pattern reads, for every model
   tensor it holds any part of, all the checkpoint tensors that make it;
 * sampled ranks are planned for real by :class:`~hp_dcp_hf.HFMappingPlanner` (meta DTensors under
   torch's ``fake`` process group at that rank's number): plan time (fresh, as a real rank pays it,
@@ -182,7 +182,7 @@ def make_layout(name: str, world: int, experts: int) -> Layout:
 def _local_shape(shape: tuple[int, ...], mesh: tuple[int, ...], coord: tuple[int, ...],
                  places: tuple[Placement, ...]) -> tuple[tuple[int, ...], int]:
     """The rank's local shape and how many elements of it its pieces cover (all, or none)."""
-    from hp_dcp_hf.layout import local_shape, shard_pieces
+    from hp_dcp_hf.geometry.shards import local_shape, shard_pieces
 
     return local_shape(shape, mesh, coord, places), sum(p.global_box.numel for p in shard_pieces(shape, mesh, coord, places))
 
@@ -226,7 +226,7 @@ def rank_state_dict(ckpt: Checkpoint, layout: Layout, rank: int) -> dict[str, to
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    from hp_dcp_hf.layout import local_shape
+    from hp_dcp_hf.geometry.shards import local_shape
 
     meshes = {"dense": init_device_mesh("cpu", layout.dense), "experts": init_device_mesh("cpu", layout.experts)}
     state = {}
@@ -329,7 +329,7 @@ def needs_of(items: Sequence[Any], ckpt: Checkpoint, table: Any, tensors: Sequen
     """A rank's needs as its cooperative ``read_data`` tells them: every read item's box of its
     (whole, one-part) stored tensor, cut to ``budget`` bytes as the reader cuts its chunks, sorted by
     file and first byte."""
-    from hp_dcp_hf.box import Box
+    from hp_dcp_hf.geometry.box import Box
     from hp_dcp_hf.storage.format.ranges import box_span, split_box
     from hp_dcp_hf.storage.read.spans import Need
 
@@ -372,7 +372,7 @@ def rank_spans(rank: int, mine: Any, encoded: Sequence[Any], tensors: Any, files
     :func:`~hp_dcp_hf.storage.read.span_reads.read_spans` does): decode the others' needs, build the
     plan, route its own needs and every other rank's into its own spans, with collection paused as
     ``read_data`` runs. The plan, the seconds of each step, and the bytes it sends."""
-    from hp_dcp_hf.perf import paused_gc
+    from hp_dcp_hf.util.perf import paused_gc
 
     with paused_gc():
         return _rank_spans(rank, mine, encoded, tensors, files, nodes)

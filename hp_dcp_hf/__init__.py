@@ -9,14 +9,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from hp_dcp_hf.lazy import lazy_exports
+from hp_dcp_hf.util.lazy import lazy_exports
+from hp_dcp_hf.version import __version__ as __version__
 
 if TYPE_CHECKING:
-    from hp_dcp_hf.api import load_hf_checkpoint, save_hf_checkpoint
+    from hp_dcp_hf.integrations.transformers import from_pretrained
+    from hp_dcp_hf.load.api import load_hf_checkpoint
+    from hp_dcp_hf.load.planner import HFMappingPlanner, LoadReport
     from hp_dcp_hf.mapping.stages import add_weight_mapping
-    from hp_dcp_hf.pipeline import from_pretrained
-    from hp_dcp_hf.planner import HFMappingPlanner, LoadReport
-    from hp_dcp_hf.save_planner import HFSavePlanner
+    from hp_dcp_hf.save.api import save_hf_checkpoint
+    from hp_dcp_hf.save.planner import HFSavePlanner
     from hp_dcp_hf.storage import HFStorageReader, HFStorageWriter
 
 __all__ = [
@@ -30,18 +32,17 @@ __all__ = [
     "load_hf_checkpoint",
     "save_hf_checkpoint",
 ]
-__version__ = "0.1.0"
 
 _EXPORTS = {
-    "HFMappingPlanner": "hp_dcp_hf.planner",
-    "HFSavePlanner": "hp_dcp_hf.save_planner",
+    "HFMappingPlanner": "hp_dcp_hf.load.planner",
+    "HFSavePlanner": "hp_dcp_hf.save.planner",
     "HFStorageReader": "hp_dcp_hf.storage",
     "HFStorageWriter": "hp_dcp_hf.storage",
-    "LoadReport": "hp_dcp_hf.planner",
+    "LoadReport": "hp_dcp_hf.load.planner",
     "add_weight_mapping": "hp_dcp_hf.mapping.stages",
-    "from_pretrained": "hp_dcp_hf.pipeline",
-    "load_hf_checkpoint": "hp_dcp_hf.api",
-    "save_hf_checkpoint": "hp_dcp_hf.api",
+    "from_pretrained": "hp_dcp_hf.integrations.transformers",
+    "load_hf_checkpoint": "hp_dcp_hf.load.api",
+    "save_hf_checkpoint": "hp_dcp_hf.save.api",
 }
 
 

@@ -100,3 +100,7 @@ class ArchitectureMismatchError(HPDCPHFError):
 class QuantizationError(CheckpointFormatError):
     """A quantized checkpoint this loader cannot read as values: unknown ``quant_method``, a weight
     without its scales, a scale grid that does not fit its weight."""
+
+
+class PipelineError(HPDCPHFError):
+    """A stage of :func:`from_pretrained` cannot run: no config, no model class, a bad transform."""

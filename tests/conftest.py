@@ -5,7 +5,7 @@ Fixtures (all session-scoped; checkpoints are written once into a session tmp di
 * ``tiny_checkpoints``: a :class:`CheckpointFactory`. ``tiny_checkpoints("mixtral", torch.float32,
   max_shard_size=None, num_local_experts=8)`` -> :class:`TinyCheckpoint` (cached per arguments).
 * ``ckpt_dtype``: parametrized over ``bf16`` and ``fp32`` (a ``torch.dtype``).
-* ``tiny_model_type``: parametrized over every model type of ``tests.models.TINY_MODELS``.
+* ``tiny_model_type``: parametrized over every model type of ``tests.support.models.TINY_MODELS``.
 * ``tiny_checkpoint``: the sharded checkpoint of ``tiny_model_type`` x ``ckpt_dtype``.
 * ``llama_checkpoint``, ``mixtral_checkpoint``, ``qwen3_moe_checkpoint``, ``gte_checkpoint``,
   ``sarvam_moe_checkpoint``, ``qwen3_vl_moe_checkpoint``, ``gradium_phonon_tts_checkpoint``: one
@@ -39,7 +39,7 @@ os.environ["TOKENIZERS_PARALLELISM"] = "false"
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
 
-# ``tests.models`` must import the same way here, in test modules and in spawned ranks.
+# ``tests.support.models`` must import the same way here, in test modules and in spawned ranks.
 _REPO_ROOT = str(Path(__file__).resolve().parent.parent)
 if _REPO_ROOT not in sys.path:
     sys.path.insert(0, _REPO_ROOT)
@@ -49,8 +49,8 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
-from tests.models import MODEL_TYPES, build_model, load_reference, make_checkpoint  # noqa: E402
-from tests.servers.s3 import BUCKET, MotoS3  # noqa: E402
+from tests.support.models import MODEL_TYPES, build_model, load_reference, make_checkpoint  # noqa: E402
+from tests.support.servers.s3 import BUCKET, MotoS3  # noqa: E402
 
 try:  # transformers' own loading/saving bars ("Loading weights", "Writing model shards")
     from transformers.utils import logging as _hf_logging

@@ -4,7 +4,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hp_dcp_hf.box import Box
+from hp_dcp_hf.geometry.box import Box
 from hp_dcp_hf.mapping.blocks import read_blocks
 from hp_dcp_hf.mapping.structure import Bound, Structure
 

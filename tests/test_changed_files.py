@@ -31,16 +31,16 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from hp_dcp_hf import load_hf_checkpoint
-from hp_dcp_hf.api import unwrap_checkpoint_exception
 from hp_dcp_hf.errors import StorageReadError
-from hp_dcp_hf.launch import run_ranks
 from hp_dcp_hf.storage import HFStorageReader
 from hp_dcp_hf.storage.format.catalog import INDEX_FILE, Catalog, scan
 from hp_dcp_hf.storage.transport.location import CheckpointLocation, FileVersion, filesystem, locate
 from hp_dcp_hf.storage.transport.stats import ReadStats
-from tests.servers.fake_hub import FakeHub
-from tests.servers.range_server import Error, RangeServer, Resource
-from tests.servers.s3 import MotoS3
+from hp_dcp_hf.tools.launch import run_ranks
+from hp_dcp_hf.util.dcp import unwrap_checkpoint_exception
+from tests.support.servers.fake_hub import FakeHub
+from tests.support.servers.range_server import Error, RangeServer, Resource
+from tests.support.servers.s3 import MotoS3
 
 FAST = {"attempts": 4, "backoff_s": 0.01, "max_backoff_s": 0.05, "deadline_s": 10.0}
 SENTINEL = -7

@@ -2,7 +2,7 @@
 errors, ``load``, the messages and progress lines of a load and a save, ``--unexpected``.
 
 ``plan`` computes every rank's reads in one process without a process group; here its numbers are
-checked against a real 4-rank load (``hp_dcp_hf.launch.run_ranks``) of the same layout, rank by
+checked against a real 4-rank load (``hp_dcp_hf.tools.launch.run_ranks``) of the same layout, rank by
 rank: bytes needed, bytes read, ranges, requests and the byte ranges themselves.
 """
 
@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from hp_dcp_hf.cli import main
-from hp_dcp_hf.launch import run_ranks
-from hp_dcp_hf.toolkit import fmt_bytes, plan_ranks
-from tests.models import MODEL_TYPES, checkpoint_files, checkpoint_keys
+from hp_dcp_hf.tools.cli import main
+from hp_dcp_hf.tools.launch import run_ranks
+from hp_dcp_hf.tools.toolkit import fmt_bytes, plan_ranks
+from tests.support.models import MODEL_TYPES, checkpoint_files, checkpoint_keys
 
 REPO = Path(__file__).resolve().parent.parent
 MESH = "tp=2,dp=2"
@@ -64,7 +64,7 @@ def _light_run(*argv: str) -> str:
                           capture_output=True, text=True, cwd=REPO, timeout=120)
     assert proc.returncode == 0, proc.stderr
     imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
-    assert "hp_dcp_hf.cli" in imported  # the listing is really there
+    assert "hp_dcp_hf.tools.cli" in imported  # the listing is really there
     assert not imported & set(_HEAVY), sorted(imported & set(_HEAVY))
     return proc.stdout
 
@@ -86,12 +86,12 @@ def test_public_names_are_lazy_and_importable():
             "assert 'torch' not in sys.modules, 'import hp_dcp_hf imported torch'\n"
             "from hp_dcp_hf import (HFMappingPlanner, HFStorageReader, LoadReport, add_weight_mapping,\n"
             "                       from_pretrained, load_hf_checkpoint)\n"
-            "import hp_dcp_hf.api, hp_dcp_hf.storage\n"
-            "assert load_hf_checkpoint is hp_dcp_hf.api.load_hf_checkpoint\n"
+            "import hp_dcp_hf.load.api, hp_dcp_hf.storage\n"
+            "assert load_hf_checkpoint is hp_dcp_hf.load.api.load_hf_checkpoint\n"
             "assert HFStorageReader is hp_dcp_hf.storage.HFStorageReader\n"
             "assert all(callable(getattr(hp_dcp_hf, n)) for n in hp_dcp_hf.__all__)\n"
             "assert set(hp_dcp_hf.__all__) <= set(dir(hp_dcp_hf))\n"
-            "assert hp_dcp_hf.pipeline.from_pretrained is from_pretrained\n")
+            "assert hp_dcp_hf.integrations.transformers.from_pretrained is from_pretrained\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300)
     assert proc.returncode == 0, proc.stderr
     import hp_dcp_hf
@@ -101,7 +101,7 @@ def test_public_names_are_lazy_and_importable():
 
 
 def test_help_documents_every_default():
-    from hp_dcp_hf.cli import _HelpFormatter, build_parser
+    from hp_dcp_hf.tools.cli import _HelpFormatter, build_parser
 
     parser = build_parser()
     (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
@@ -119,7 +119,7 @@ def test_help_documents_every_default():
 
 def test_transforms_help_lists_every_transform():
     from hp_dcp_hf import transforms
-    from hp_dcp_hf.cli import TRANSFORMS, build_parser
+    from hp_dcp_hf.tools.cli import TRANSFORMS, build_parser
 
     available = {n for n in transforms.__all__ if n[:1].islower() and callable(getattr(transforms, n))}
     assert set(TRANSFORMS) == available
@@ -313,7 +313,7 @@ def test_missing_bare_repo_id_names_the_local_path_and_the_hub(capsys, tmp_path,
 def test_bare_repo_id_the_hub_does_not_know(capsys, tmp_path, monkeypatch):
     import huggingface_hub
 
-    from tests.servers.fake_hub import FakeHub
+    from tests.support.servers.fake_hub import FakeHub
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
@@ -457,8 +457,8 @@ def test_plan_every_model_type(capsys, tiny_checkpoints, model_type):
 
 
 def _real_load(rank: int, world: int, cases: dict) -> dict:
-    from hp_dcp_hf.pipeline import from_pretrained
-    from hp_dcp_hf.toolkit import RecordingReader, parallelize_for
+    from hp_dcp_hf.integrations.transformers import from_pretrained
+    from hp_dcp_hf.tools.toolkit import RecordingReader, parallelize_for
 
     out = {}
     for name, (path, transforms, options) in cases.items():
@@ -526,7 +526,7 @@ def test_load_single_process_json(capsys, llama):
 
 
 def test_load_names_its_stages_and_progress_on_rank_0(capsys, llama, tmp_path, monkeypatch):
-    from hp_dcp_hf import toolkit
+    from hp_dcp_hf.tools import toolkit
 
     monkeypatch.setattr(toolkit, "PROGRESS_EVERY_S", 0.0)  # a line at every update, not every few seconds
     code, out, err = _run_cli(capsys, "load", str(llama.path), "--save-to", str(tmp_path / "saved"), "--json")
@@ -550,28 +550,28 @@ def test_warnings_and_logs_print_one_clean_line(capsys):
     import logging
     import warnings
 
-    from hp_dcp_hf import toolkit
-    from hp_dcp_hf.cli import _messages
+    from hp_dcp_hf.tools import toolkit
+    from hp_dcp_hf.tools.cli import _messages
 
     with warnings.catch_warnings(record=True) as shown_by_python, _messages():
         warnings.simplefilter("always")
         warnings.warn_explicit("left whole:\n  a\n  b", UserWarning, toolkit.__file__, 10)
-        logging.getLogger("hp_dcp_hf.api").warning("%d tensors unused", 3)
+        logging.getLogger("hp_dcp_hf.load.api").warning("%d tensors unused", 3)
         logging.getLogger("hp_dcp_hf.mapping.compose").info("a planning detail")  # not a stage: not shown
         warnings.warn_explicit("not ours", UserWarning, __file__, 20)  # another module's: Python's own way
     assert capsys.readouterr().err.splitlines() == ["hp-dcp-hf: warning: left whole: a b",
                                                     "hp-dcp-hf: warning: 3 tensors unused"]
     assert [str(w.message) for w in shown_by_python] == ["not ours"]
     with _messages(rank=1):
-        logging.getLogger("hp_dcp_hf.pipeline").info("parallelizing")  # stages: rank 0's alone
-        logging.getLogger("hp_dcp_hf.api").error("failed")
+        logging.getLogger("hp_dcp_hf.integrations.transformers").info("parallelizing")  # stages: rank 0's alone
+        logging.getLogger("hp_dcp_hf.load.api").error("failed")
     assert capsys.readouterr().err == "hp-dcp-hf: rank 1: error: failed\n"
-    logging.getLogger("hp_dcp_hf.pipeline").info("after the command")
+    logging.getLogger("hp_dcp_hf.integrations.transformers").info("after the command")
     assert capsys.readouterr().err == ""
 
 
 def test_the_writer_reports_each_rank_s_bytes_as_it_writes(llama, tmp_path):
-    from hp_dcp_hf.api import save_hf_checkpoint
+    from hp_dcp_hf.save.api import save_hf_checkpoint
     from hp_dcp_hf.storage import HFStorageWriter
 
     calls = []
@@ -590,11 +590,11 @@ def test_legacy_amplification_is_over_what_the_shards_need(capsys, llama):
     """The legacy loader reads whole tensors: its amplification is bytes read over what the shards
     need (what the dcp loader's planner plans for the same layout), here on rank 1 of dp=2,tp=2
     under the fake group."""
+    from hp_dcp_hf.load.planner import HFMappingPlanner
+    from hp_dcp_hf.model.config import read_config, resolve_model_class
     from hp_dcp_hf.parallel.mesh import parse_mesh
-    from hp_dcp_hf.pipeline import read_config, resolve_model_class
-    from hp_dcp_hf.planner import HFMappingPlanner
     from hp_dcp_hf.storage import HFStorageReader
-    from hp_dcp_hf.toolkit import _fake_rank, _rank_model, _register_fake_backend, progress_planner
+    from hp_dcp_hf.tools.toolkit import _fake_rank, _rank_model, _register_fake_backend, progress_planner
 
     _register_fake_backend()
     reader = HFStorageReader(str(llama.path))
@@ -761,7 +761,7 @@ def test_load_table_cooperating_names_bytes_read_from_storage_and_received(llama
     (code, text), (other, quiet) = run_ranks(2, _cli_load_output, [*argv, "--json"], timeout=300)
     assert code == other == 0 and quiet == ""  # rank 0 prints for both
     rows = json.loads(text)["ranks"]
-    from hp_dcp_hf.toolkit import inspect_checkpoint
+    from hp_dcp_hf.tools.toolkit import inspect_checkpoint
 
     checkpoint = inspect_checkpoint(str(llama.path))["tensor_bytes"]
     assert all(r["cooperating"] and r["bytes_needed_once"] == checkpoint for r in rows)

@@ -11,10 +11,10 @@ import pytest
 import torch
 from safetensors.torch import load, load_file
 
-from hp_dcp_hf.cli import add_storage_option, main, parse_storage_option
+from hp_dcp_hf.tools.cli import add_storage_option, main, parse_storage_option
 from tests.conftest import DEFAULT_SHARD_SIZE
-from tests.models import checkpoint_keys
-from tests.servers.s3 import CREDENTIALS, REGION, MotoS3
+from tests.support.models import checkpoint_keys
+from tests.support.servers.s3 import CREDENTIALS, REGION, MotoS3
 
 BUCKET = "cli-options"
 

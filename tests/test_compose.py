@@ -17,7 +17,7 @@ from transformers.core_model_loading import (
 from hp_dcp_hf.errors import MappingError
 from hp_dcp_hf.mapping.compose import Composition, Opaque, TensorSpec
 from hp_dcp_hf.mapping.structure import Bound
-from tests.symbolic_check import materialize
+from tests.support.symbolic_check import materialize
 
 
 def _checkpoint(model_cls, config, tmp_path):

@@ -3,7 +3,7 @@ own decompression gives, in one process.
 
 The checkpoints are written by compressed-tensors' compressors from tiny real models, and the
 oracle is compressed-tensors' decompression of the whole checkpoint, loaded through transformers'
-``from_pretrained`` as a dense twin (``tests/compressed.py``). Shapes are awkward on purpose:
+``from_pretrained`` as a dense twin (``tests/support/compressed.py``). Shapes are awkward on purpose:
 DeepSeek-V3's MLA projections (17 and 19 rows, 13 input columns) in 16 x 16 FP8 blocks make ceil
 grids, the Llama with 48 hidden / 80 intermediate cuts INT4 groups of 16 and zero-point words of 8
 rows unevenly, its quantized ``lm_head`` has 101 rows.
@@ -18,11 +18,11 @@ import pytest
 import torch
 
 import hp_dcp_hf
-from hp_dcp_hf.box import Box
+from hp_dcp_hf.geometry.box import Box
 from hp_dcp_hf.mapping.compose import TensorSpec
-from hp_dcp_hf.mapping.compressed import compressed_tensors
-from hp_dcp_hf.toolkit import plan_ranks
-from tests.compressed import (
+from hp_dcp_hf.quant.compressed import compressed_tensors
+from hp_dcp_hf.tools.toolkit import plan_ranks
+from tests.support.compressed import (
     CASES,
     DYNAMIC_INT8,
     compress_modules,
@@ -31,7 +31,7 @@ from tests.compressed import (
     read_tensors,
     weights_args,
 )
-from tests.families import family_model_class, load_family_reference
+from tests.support.families import family_model_class, load_family_reference
 from tests.test_quantized import _edit as edit_copy
 from tests.test_quantized import assert_refused_before_any_write
 
@@ -540,7 +540,7 @@ def test_legacy_loader_decompresses_whole_tensors(checkpoints):
 
 
 def test_cli_inspect_counts_compressed_weights(checkpoints, capsys):
-    from hp_dcp_hf.cli import main
+    from hp_dcp_hf.tools.cli import main
 
     checkpoint = checkpoints("w4a16-asym")
     assert main(["inspect", str(checkpoint.path), "--json"]) == 0
@@ -558,7 +558,7 @@ def test_cli_inspect_counts_compressed_weights(checkpoints, capsys):
 
 
 def test_cli_plan_names_the_formats_of_a_mixed_checkpoint(checkpoints, capsys):
-    from hp_dcp_hf.cli import main
+    from hp_dcp_hf.tools.cli import main
 
     checkpoint = checkpoints("mixed")
     formats = sorted({group["format"] for group in json.loads((checkpoint.path / "config.json").read_text())

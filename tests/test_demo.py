@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hp_dcp_hf.demo import DEMO_DTYPE, dtype_line
+from hp_dcp_hf.tools.demo import DEMO_DTYPE, dtype_line
 
 
 @pytest.mark.parametrize(("dtype", "default"), [(torch.bfloat16, "bfloat16"), (torch.float32, None)])

@@ -1,6 +1,6 @@
 """The family matrix: every buildable model type of transformers' conversion table loads exactly.
 
-For each family of :data:`tests.families.FAMILIES` (single process, CPU, fp32):
+For each family of :data:`tests.support.families.FAMILIES` (single process, CPU, fp32):
 
 * the tiny checkpoint round-trips: transformers' own ``from_pretrained`` of the files
   ``save_pretrained`` wrote gives back the model that wrote them, bit for bit (so the oracle is
@@ -29,7 +29,7 @@ import pytest
 import torch
 
 import hp_dcp_hf
-from tests.families import (
+from tests.support.families import (
     DIST_FAMILIES,
     FAMILIES,
     MAX_CHECKPOINT_BYTES,
@@ -76,7 +76,7 @@ def assert_state_dicts_identical(actual: dict, expected: dict) -> None:
 
 def test_tables_cover_the_conversion_table() -> None:
     """FAMILIES + UNBUILDABLE are exactly the conversion table's model types (a transformers
-    upgrade that adds or drops one shows up here: re-derive with ``python -m tests.families``)."""
+    upgrade that adds or drops one shows up here: re-derive with ``python -m tests.support.families``)."""
     table = conversion_table_types()
     assert len(set(FAMILIES)) == len(FAMILIES), "duplicate families"
     assert not set(FAMILIES) & set(UNBUILDABLE), "a type is both buildable and unbuildable"

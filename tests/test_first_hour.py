@@ -28,10 +28,11 @@ from hp_dcp_hf.errors import (
     MeshSpecError,
     UnexpectedKeysError,
 )
-from hp_dcp_hf.model_dtype import parse_dtype
+from hp_dcp_hf.model.dtype import parse_dtype
+from hp_dcp_hf.model.finalize import materialize
+from hp_dcp_hf.model.skeleton import build_skeleton
 from hp_dcp_hf.parallel.mesh import parse_mesh
-from hp_dcp_hf.pipeline import build_skeleton, materialize
-from tests.models import model_class, tiny_config
+from tests.support.models import model_class, tiny_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -271,7 +272,7 @@ def test_output_piped_into_a_reader_that_stops_early_ends_quietly(mixtral_checkp
 def test_a_broken_pipe_that_is_not_stdout_is_still_an_error(capsys, mixtral_checkpoint, monkeypatch):
     """A ``BrokenPipeError`` from elsewhere (a connection to storage) while stdout is fine is an
     error, as any other."""
-    from hp_dcp_hf import cli, toolkit
+    from hp_dcp_hf.tools import cli, toolkit
 
     def broken(*args, **kwargs):
         raise BrokenPipeError(32, "Broken pipe")

@@ -153,7 +153,7 @@ def test_a_publish_cut_after_any_step_and_replayed_twice_is_whole(tmp_path, monk
     import hp_dcp_hf
     from hp_dcp_hf.errors import StorageWriteError
     from hp_dcp_hf.storage.write.destination import Destination, Directory
-    from tests.families import build_family_model, save_family_model
+    from tests.support.families import build_family_model, save_family_model
 
     old, new = build_family_model("llama", seed=1), build_family_model("llama", seed=2, dtype=torch.bfloat16)
     calls = {"n": 0, "cut": 0}

@@ -21,9 +21,9 @@ from hypothesis import strategies as st
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, ShardOrderEntry
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard, _StridedShard
 
-from hp_dcp_hf.box import Box, disjoint_cover
 from hp_dcp_hf.errors import LayoutError
-from hp_dcp_hf.layout import ShardPiece, local_shape, local_shard_pieces, shard_pieces
+from hp_dcp_hf.geometry.box import Box, disjoint_cover
+from hp_dcp_hf.geometry.shards import ShardPiece, local_shape, local_shard_pieces, shard_pieces
 
 
 class MeshSizes:

@@ -15,9 +15,10 @@ import os
 import pytest
 import torch
 
-from hp_dcp_hf.box import Box
 from hp_dcp_hf.errors import LayoutError
-from hp_dcp_hf.layout import (
+from hp_dcp_hf.geometry.box import Box
+from hp_dcp_hf.geometry.replicas import ReplicaGroups, ShardGeometry
+from hp_dcp_hf.geometry.shards import (
     ShardPiece,
     checkpointable_pieces,
     global_shape,
@@ -28,7 +29,6 @@ from hp_dcp_hf.layout import (
     local_tensor,
     mark_checkpointable,
 )
-from hp_dcp_hf.parallel.replicas import ReplicaGroups, ShardGeometry
 
 PROTOCOL_MODULES = ("torch.distributed.checkpoint.protocol", "torch_checkpointing.checkpointable")
 
@@ -218,7 +218,7 @@ def _tensor_data_bytes(file) -> int:
 
 def test_one_process_loads_and_saves_protocol_shards_exactly(tmp_path):
     from hp_dcp_hf import HFStorageReader, load_hf_checkpoint, save_hf_checkpoint
-    from tests.models import make_checkpoint, model_class, tiny_config
+    from tests.support.models import make_checkpoint, model_class, tiny_config
     from tests.test_save import assert_same_checkpoint
 
     path = make_checkpoint("llama", tmp_path / "ckpt", dtype=torch.float32)
@@ -227,7 +227,7 @@ def test_one_process_loads_and_saves_protocol_shards_exactly(tmp_path):
     reader = HFStorageReader(str(path), coalesce_gap=0)
     report = load_hf_checkpoint(model, str(path), reader=reader, check_written=True)
     assert not report.missing_keys
-    from tests.models import load_reference
+    from tests.support.models import load_reference
 
     reference = load_reference(path, "llama", torch.float32)
     bad = [k for k, v in model.state_dict().items() if not torch.equal(_full(v), reference[k])]

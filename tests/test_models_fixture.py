@@ -14,8 +14,8 @@ import re
 import pytest
 import torch
 
-import tests.models as models
-from tests.models import (
+import tests.support.models as models
+from tests.support.models import (
     EXPECTED_CONVERSION_OPS,
     MODEL_TYPES,
     build_model,

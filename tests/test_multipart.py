@@ -13,14 +13,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hp_dcp_hf
-from hp_dcp_hf.box import Box
 from hp_dcp_hf.errors import StorageWriteError
+from hp_dcp_hf.geometry.box import Box
 from hp_dcp_hf.storage.format.files import SavedTensor
 from hp_dcp_hf.storage.write.destination import BoxWrite, box_runs
 from hp_dcp_hf.storage.write.multipart import MultipartUploads
 from hp_dcp_hf.storage.write.parts import MAX_PARTS, MIN_PART_BYTES, file_parts, part_size, rounds
-from tests.families import family_model_class, tiny_family_config
-from tests.servers.s3 import BUCKET
+from tests.support.families import family_model_class, tiny_family_config
+from tests.support.servers.s3 import BUCKET
 from tests.test_save import anonymized
 from tests.test_storage_ranges import tensor_and_box
 

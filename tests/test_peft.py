@@ -3,7 +3,7 @@ peft's own and round-trips, the TP layout derivation, loads and saves bit-identi
 ``PeftModel.from_pretrained`` / ``save_pretrained``, and bad adapters refused by name before any
 byte of the model changes. The multi-rank cases (FSDP2, TP) are in ``tests/dist/test_peft_dist.py``.
 
-Oracles are peft's own calls on real tiny transformers models (``tests.models``); nothing of peft
+Oracles are peft's own calls on real tiny transformers models (``tests.support.models``); nothing of peft
 is mocked.
 """
 
@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import Replicate, Shard
 
-from tests.models import build_model, make_checkpoint, model_class
+from tests.support.models import build_model, make_checkpoint, model_class
 
 pytest.importorskip("peft")
 

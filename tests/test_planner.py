@@ -18,7 +18,7 @@ from hp_dcp_hf.errors import (
     PlanningError,
     UnsafeCheckpointError,
 )
-from tests.models import model_class, tiny_config
+from tests.support.models import model_class, tiny_config
 
 
 def _meta_model(model_type: str, dtype=torch.float32, **overrides):
@@ -150,7 +150,7 @@ def test_untraceable_stage_is_deferred_reported_and_correct(mixtral_checkpoint, 
     add_weight_mapping(model, [WeightConverter("mlp.experts.down_proj", "mlp.experts.down_proj", [_Negate()])])
     reader = HFStorageReader(str(mixtral_checkpoint.path))
     planner = HFMappingPlanner(model)
-    with caplog.at_level(logging.WARNING, logger="hp_dcp_hf.planner"):
+    with caplog.at_level(logging.WARNING, logger="hp_dcp_hf.load.planner"):
         load_hf_checkpoint(model, str(mixtral_checkpoint.path), reader=reader, planner=planner)
     assert planner.stats.deferred_targets == 2 and planner.stats.deferred_bytes > 0
     assert "cannot be traced" in caplog.text

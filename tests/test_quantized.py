@@ -1,7 +1,7 @@
 """Quantized checkpoints (FP8 block-scaled, MXFP4) load into bf16 models as their dequantized
 values, in one process.
 
-The oracle is transformers' ``from_pretrained`` of the dequantized twin (``tests/quantized.py``):
+The oracle is transformers' ``from_pretrained`` of the dequantized twin (``tests/support/quantized.py``):
 the values transformers' own ``Fp8Dequantize`` gives on whole tensors, then its conversions. The
 tiny DeepSeek-V3 has ceil scale grids everywhere (blocks of 16: the MLA ``kv_a_proj_with_mqa`` has
 17 rows, ``q_a_proj`` 19, hidden size 44), per-expert FP8 weights that the conversion merges into
@@ -19,13 +19,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import hp_dcp_hf
-from hp_dcp_hf.box import Box
 from hp_dcp_hf.errors import QuantizationError
+from hp_dcp_hf.geometry.box import Box
 from hp_dcp_hf.mapping.compose import TensorSpec
-from hp_dcp_hf.mapping.quantized import BlockScaled, Mxfp4
-from hp_dcp_hf.toolkit import plan_ranks
-from tests.families import family_model_class, load_family_reference
-from tests.quantized import (
+from hp_dcp_hf.quant.decode import BlockScaled, Mxfp4
+from hp_dcp_hf.tools.toolkit import plan_ranks
+from tests.support.families import family_model_class, load_family_reference
+from tests.support.quantized import (
     FP8,
     dequantize_reference,
     make_fp8_checkpoint,
@@ -127,7 +127,7 @@ def test_transformers_shard_on_read_pairs_the_wrong_scales():
     from transformers.distributed.sharding_utils import DtensorShardOperation
     from transformers.integrations.finegrained_fp8 import Fp8Dequantize
 
-    from hp_dcp_hf.toolkit import _clear_sharding_caches, _register_fake_backend
+    from hp_dcp_hf.tools.toolkit import _clear_sharding_caches, _register_fake_backend
 
     torch.manual_seed(5)
     q, scale = quantize_fp8(torch.randn(40, 32), (16, 16))
@@ -298,7 +298,7 @@ def test_bad_quantized_checkpoints_raise_before_any_write(case, tmp_path):
 def assert_refused_before_any_write(model_type: str, twin, bad, key: str | None, reason: str) -> None:
     """Loading ``bad`` into the bf16 model of ``twin``'s config raises a QuantizationError naming
     ``key`` (else config.json) and ``reason``, and leaves the model as it was."""
-    model = family_model_class(model_type)._from_config(hp_dcp_hf.pipeline.read_config(str(twin)), dtype=torch.bfloat16)
+    model = family_model_class(model_type)._from_config(hp_dcp_hf.model.config.read_config(str(twin)), dtype=torch.bfloat16)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(QuantizationError) as raised:
         hp_dcp_hf.load_hf_checkpoint(model, str(bad))
@@ -322,7 +322,7 @@ def test_the_loaded_model_is_not_quantized(quantized):
 
 
 def test_cli_inspect_and_plan_show_quantized_bytes(capsys, tmp_path):
-    from hp_dcp_hf.cli import main
+    from hp_dcp_hf.tools.cli import main
 
     checkpoint = make_fp8_checkpoint("deepseek_v3", tmp_path)
     assert main(["inspect", str(checkpoint.path), "--json"]) == 0
@@ -363,7 +363,7 @@ def test_a_model_keeping_fp8_weights_loads_them_as_stored(tmp_path):
 
     checkpoint = make_fp8_checkpoint("llama", tmp_path)
     with torch.device("meta"):
-        model = family_model_class("llama")._from_config(hp_dcp_hf.pipeline.read_config(str(checkpoint.twin)),
+        model = family_model_class("llama")._from_config(hp_dcp_hf.model.config.read_config(str(checkpoint.twin)),
                                                          dtype=torch.bfloat16)
     replace_with_fp8_linear(model, modules_to_not_convert=["lm_head"],
                             quantization_config=FineGrainedFP8Config(weight_block_size=(16, 16)))
@@ -396,7 +396,7 @@ def test_stored_scales_must_cover_the_weight_rows_a_rank_holds(scale_layout, tmp
 
     from hp_dcp_hf import HFMappingPlanner, HFStorageReader
     from hp_dcp_hf.errors import LayoutError
-    from hp_dcp_hf.toolkit import _clear_sharding_caches, _register_fake_backend
+    from hp_dcp_hf.tools.toolkit import _clear_sharding_caches, _register_fake_backend
 
     q, scale = quantize_fp8(torch.randn(40, 32), (16, 16))
     save_file({"proj.weight": q, "proj.weight_scale_inv": scale}, tmp_path / "model.safetensors")

@@ -1,7 +1,7 @@
 """Remote checkpoints in one process, against real servers on 127.0.0.1 (no client library mocked).
 
-* HTTP: ``tests.servers.StaticRangeServer`` (honours Range, logs requests, injects faults);
-* Hub: ``tests.servers.FakeHub`` behind ``HfFileSystem(endpoint=...)``;
+* HTTP: ``tests.support.servers.StaticRangeServer`` (honours Range, logs requests, injects faults);
+* Hub: ``tests.support.servers.FakeHub`` behind ``HfFileSystem(endpoint=...)``;
 * S3: moto's server with its request recorder.
 
 Loads go through ``load_hf_checkpoint`` and must equal ``from_pretrained`` of the local copy; the
@@ -31,10 +31,10 @@ from hp_dcp_hf.storage.format.catalog import INDEX_FILE
 from hp_dcp_hf.storage.transport.location import FsspecBackend, filesystem, locate
 from hp_dcp_hf.storage.transport.remote import HttpBackend, HubBackend, RetryPolicy
 from hp_dcp_hf.storage.transport.s3 import S3Backend, client_settings
-from tests.models import model_class, tiny_config
-from tests.servers.fake_hub import FakeHub
-from tests.servers.range_server import LoggedRequest, StaticRangeServer
-from tests.servers.s3 import MotoS3
+from tests.support.models import model_class, tiny_config
+from tests.support.servers.fake_hub import FakeHub
+from tests.support.servers.range_server import LoggedRequest, StaticRangeServer
+from tests.support.servers.s3 import MotoS3
 
 MODEL = "mixtral"
 FAST = {"attempts": 4, "backoff_s": 0.01, "max_backoff_s": 0.05, "deadline_s": 10.0}

@@ -22,7 +22,7 @@ from hp_dcp_hf import load_hf_checkpoint
 from hp_dcp_hf.storage.read import reader as reader_module
 from hp_dcp_hf.storage.read.reader import HFStorageReader
 from hp_dcp_hf.storage.read.ring import SlotCopier, StagingRing
-from tests.models import build_model
+from tests.support.models import build_model
 
 TENSORS = {
     "big": torch.randn(40, 33),  # 5280 bytes: cut into several chunks per slot

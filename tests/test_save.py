@@ -3,7 +3,7 @@
 index and config), after rewrites too, cast when asked, atomically.
 
 The oracle is transformers' ``save_pretrained`` of the unrewritten model that wrote the checkpoint
-(``tests.families``: tiny models with distinct random values); checkpoints are split at 20 KB so
+(``tests.support.families``: tiny models with distinct random values); checkpoints are split at 20 KB so
 the tiny models span several files and an index.
 """
 
@@ -25,8 +25,8 @@ import hp_dcp_hf
 from hp_dcp_hf.errors import InterruptedSaveError, MixedCheckpointError, PlanningError, StorageWriteError
 from hp_dcp_hf.storage.format.files import layout_file
 from hp_dcp_hf.storage.format.journal import INDEX_FILE, SAVE_ID_KEY, STAGING_PREFIX
-from hp_dcp_hf.toolkit import inspect_checkpoint
-from tests.families import build_family_model, family_model_class, save_family_model
+from hp_dcp_hf.tools.toolkit import inspect_checkpoint
+from tests.support.families import build_family_model, family_model_class, save_family_model
 
 SHARD = "20KB"
 FAMILIES = ("llama", "mixtral", "gte", "qwen3_moe", "gradium_phonon_tts")  # tied, MoE merge, Chunk, PermuteForRope
@@ -249,8 +249,8 @@ def test_two_saves_into_one_path_at_once(tmp_path, monkeypatch):
 def test_a_publish_interrupted_in_its_hole_is_named_and_repaired(tmp_path, capsys, monkeypatch):
     """A save whose config differs removes the old entry file before writing config.json: killed
     there, both readers refuse the path (no mix); ``hp-dcp-hf repair`` completes the new checkpoint."""
-    from hp_dcp_hf.cli import main
     from hp_dcp_hf.storage.write.destination import Directory
+    from hp_dcp_hf.tools.cli import main
 
     path = save_family_model(build_family_model("llama", seed=1), tmp_path / "ckpt", SHARD)
     model = build_family_model("llama", seed=2, dtype=torch.bfloat16)  # another dtype: another config.json
@@ -304,7 +304,7 @@ def test_tied_embeddings_are_written_once(tiny_checkpoints, tmp_path):
     """A tied lm_head is not a checkpoint tensor: the embedding is written under the name
     ``save_pretrained`` keeps, once."""
     from tests.conftest import DEFAULT_SHARD_SIZE
-    from tests.models import model_class
+    from tests.support.models import model_class
 
     llama = tiny_checkpoints("llama", torch.bfloat16)
     model, _ = hp_dcp_hf.from_pretrained(str(llama.path), dtype=torch.bfloat16, model_cls=model_class("llama"))

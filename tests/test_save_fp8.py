@@ -7,7 +7,7 @@ fly without a GPU, though all it runs is ``Fp8Quantize``'s plain torch: :func:`q
 lifts that one check). A weight whose dims are not multiples of the block stays in the model's
 dtype, as there; transformers writes beside it its ``FP8Linear``'s uninitialized scale, which its
 CPU load multiplies in, while the save writes no scale and names the module in
-``modules_to_not_convert``. :class:`~hp_dcp_hf.quantize.CeilGrids` quantizes those weights too,
+``modules_to_not_convert``. :class:`~hp_dcp_hf.quant.encode.CeilGrids` quantizes those weights too,
 on ceil grids: ``Fp8Quantize`` of the weight zero-padded to whole blocks. transformers'
 ``from_pretrained`` of our output loads (dequantized, on CPU), and a checkpoint loaded from FP8 and
 saved back is byte-identical to the one it came from.
@@ -28,9 +28,9 @@ import torch
 from safetensors.torch import load_file
 
 import hp_dcp_hf
-from hp_dcp_hf.box import Box
 from hp_dcp_hf.errors import ArgumentError
-from hp_dcp_hf.quantize import (
+from hp_dcp_hf.geometry.box import Box
+from hp_dcp_hf.quant.encode import (
     BlockAmax,
     CeilGrids,
     Fp8Box,
@@ -41,8 +41,13 @@ from hp_dcp_hf.quantize import (
     quantize_box,
     whole_blocks,
 )
-from tests.families import build_family_model, family_model_class, save_family_model, tiny_family_config
-from tests.quantized import dequantize_reference, is_projection
+from tests.support.families import (
+    build_family_model,
+    family_model_class,
+    save_family_model,
+    tiny_family_config,
+)
+from tests.support.quantized import dequantize_reference, is_projection
 from tests.test_save import SHARD, anonymized, assert_same_checkpoint
 
 FP8 = torch.float8_e4m3fn
@@ -155,7 +160,7 @@ def llama(dtype: torch.dtype = torch.bfloat16, **sizes):
     config = tiny_family_config("llama", **sizes)
     torch.manual_seed(0)
     model = family_model_class("llama")._from_config(config, dtype=dtype)
-    from tests.models import _randomize_
+    from tests.support.models import _randomize_
 
     _randomize_(model, 0)
     return model.eval()
@@ -368,8 +373,8 @@ def test_load_save_to_save_quantize_fp8(capsys, tmp_path):
     quantize="fp8")`` writes, from a bf16 checkpoint and from that FP8 one (byte-identical again).
     Loaded into float32 (``--dtype float32``), both quantize the checkpoint's bf16 values
     (``--save-dtype checkpoint`` looks past the FP8 weights and their scales)."""
-    from hp_dcp_hf.cli import SAVE_QUANTIZE_CHOICES, main
-    from hp_dcp_hf.quantize import FORMATS
+    from hp_dcp_hf.quant.encode import FORMATS
+    from hp_dcp_hf.tools.cli import SAVE_QUANTIZE_CHOICES, main
 
     assert SAVE_QUANTIZE_CHOICES == FORMATS
     model = llama(**MIXED)  # FP8 attention, the MLP kept in bf16
@@ -413,7 +418,7 @@ def test_models_fp8_cannot_come_from_are_argument_errors(tmp_path):
     """A model quantized already (transformers' FP8 model: its config and FP8 parameters), a module
     that is not a transformers model, a model transformers' FP8 quantizer refuses (gpt-oss: experts
     with biases), quantize= beside a planner: each an ArgumentError, nothing written."""
-    from hp_dcp_hf.save_planner import HFSavePlanner
+    from hp_dcp_hf.save.planner import HFSavePlanner
 
     fp8 = transformers_fp8_model(llama(**DIVISIBLE), fp8_config(BLOCK16), tmp_path / "bf16")
     cases = [

@@ -41,7 +41,7 @@ from transformers.core_model_loading import (
 import hp_dcp_hf
 from hp_dcp_hf.errors import MappingError
 from hp_dcp_hf.mapping.stages import recorded_checkpoint_mapping
-from tests.models import _randomize_
+from tests.support.models import _randomize_
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -224,14 +224,14 @@ class Case:
 
 
 def _tiny_mixtral(seed: int = 0) -> PreTrainedModel:
-    from tests.families import build_family_model
+    from tests.support.families import build_family_model
 
     return build_family_model("mixtral", seed=seed)
 
 
 def _mixtral_mapping() -> list[WeightTransform]:
     """A checkpoint that names the attention output ``out_proj``, then transformers' Mixtral mapping."""
-    from hp_dcp_hf.pipeline import checkpoint_mapping
+    from hp_dcp_hf.model.skeleton import checkpoint_mapping
 
     return [WeightRenaming(r"\.self_attn\.out_proj\.", ".self_attn.o_proj."), *checkpoint_mapping(_tiny_mixtral())]
 

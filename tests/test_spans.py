@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hp_dcp_hf.box import Box
+from hp_dcp_hf.geometry.box import Box
 from hp_dcp_hf.storage.read import spans as spans_module
 from hp_dcp_hf.storage.read.exchange import ReadProgress, Region, Stream
 from hp_dcp_hf.storage.read.spans import (

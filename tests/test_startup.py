@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.models import checkpoint_keys, read_checkpoint
+from tests.support.models import checkpoint_keys, read_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 DCP = "torch.distributed.checkpoint"
@@ -43,16 +43,16 @@ def _run(code: str, timeout: float = 300) -> tuple[subprocess.CompletedProcess, 
 
 
 def _cli_in_process(*argv: str) -> tuple[subprocess.CompletedProcess, set[str], int]:
-    """``hp-dcp-hf ARGV`` through :func:`hp_dcp_hf.cli.main` in a fresh interpreter: what it
+    """``hp-dcp-hf ARGV`` through :func:`hp_dcp_hf.tools.cli.main` in a fresh interpreter: what it
     printed, the modules it imported, its exit code."""
-    return _run(f"from hp_dcp_hf.cli import main\nresult = main({list(argv)!r})")
+    return _run(f"from hp_dcp_hf.tools.cli import main\nresult = main({list(argv)!r})")
 
 
 def test_inspect_imports_neither_dcp_nor_transformers(llama) -> None:
     proc, modules, rc = _cli_in_process("inspect", str(llama.path), "--tensors")
     assert rc == 0, proc.stderr[-2000:]
     assert f"{len(checkpoint_keys(llama.path))} tensors" in proc.stdout  # headers read, tensors listed
-    assert "hp_dcp_hf.toolkit" in modules and "torch" in modules
+    assert "hp_dcp_hf.tools.toolkit" in modules and "torch" in modules
     assert not modules & {DCP, MODELING, "transformers"}, sorted(modules & {DCP, MODELING, "transformers"})
 
 
@@ -63,7 +63,7 @@ def test_the_planner_imports_no_modeling_stack_for_a_plain_model() -> None:
             "result = model_stages(torch.nn.Linear(2, 2), None)\n")
     proc, modules, stages = _run(code)
     assert stages == [[]], proc.stderr[-2000:]
-    assert "hp_dcp_hf.planner" in modules and DCP in modules
+    assert "hp_dcp_hf.load.planner" in modules and DCP in modules
     assert not modules & {MODELING, *FP8_KERNELS}, sorted(modules & {MODELING, *FP8_KERNELS})
 
 
@@ -139,7 +139,7 @@ def test_nproc_per_node_refuses_a_checkpoint_without_config_before_starting_rank
         shutil.copy(file, tmp_path / file.name)
     proc, modules, rc = _cli_in_process("load", str(tmp_path), "--nproc-per-node", "2")
     assert "no config.json next to the weights" in _one_error_line(proc, rc)
-    assert "hp_dcp_hf.launch" not in modules
+    assert "hp_dcp_hf.tools.launch" not in modules
 
 
 def test_nproc_per_node_prints_a_rank_failure_as_one_line(llama, tmp_path) -> None:
@@ -158,7 +158,7 @@ def test_nproc_per_node_prints_a_rank_failure_as_one_line(llama, tmp_path) -> No
 
 
 def test_without_nproc_drops_the_option_alone() -> None:
-    from hp_dcp_hf.cli import _without_nproc
+    from hp_dcp_hf.tools.cli import _without_nproc
 
     assert _without_nproc(["load", "p", "--nproc-per-node", "4", "--mesh", "tp=4"]) == ["load", "p", "--mesh", "tp=4"]
     assert _without_nproc(["load", "p", "--nproc-per-node=4", "--json"]) == ["load", "p", "--json"]

@@ -17,8 +17,8 @@ from hp_dcp_hf import HFStorageReader
 from hp_dcp_hf.errors import ArgumentError, StorageReadError
 from hp_dcp_hf.storage.transport.backend import RetryPolicy, UnreachableError
 from hp_dcp_hf.storage.transport.location import check_options, filesystem
-from tests.servers.s3 import CREDENTIALS, REGION, MotoS3
-from tests.servers.silent import SilentServer, closed_port_url
+from tests.support.servers.s3 import CREDENTIALS, REGION, MotoS3
+from tests.support.servers.silent import SilentServer, closed_port_url
 
 HANG_GUARD_S = 15.0
 """Far above what any of these should take: a failure here is a hang, not slowness."""
@@ -136,7 +136,7 @@ def test_a_closed_port_fails_on_its_first_request(store) -> None:
 
 def test_a_store_that_answers_503_is_retried_as_before(tiny_checkpoints) -> None:
     """The first-answer rule leaves failures with an answer alone: two 503s, then the answer."""
-    from tests.servers.range_server import StaticRangeServer
+    from tests.support.servers.range_server import StaticRangeServer
 
     root = tiny_checkpoints("llama", torch.bfloat16).path
     with StaticRangeServer(root.parent) as server:

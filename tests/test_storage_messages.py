@@ -20,10 +20,10 @@ from safetensors.torch import save_file
 
 from hp_dcp_hf import HFStorageReader
 from hp_dcp_hf.errors import CheckpointFormatError, CheckpointNotFoundError, UnsafeCheckpointError
-from hp_dcp_hf.launch import free_port
 from hp_dcp_hf.storage.format.catalog import INDEX_FILE
 from hp_dcp_hf.storage.transport.remote import UnreachableError
-from tests.servers.s3 import MotoS3
+from hp_dcp_hf.tools.launch import free_port
+from tests.support.servers.s3 import MotoS3
 
 FAST = {"attempts": 2, "backoff_s": 0.01, "max_backoff_s": 0.02, "deadline_s": 5.0, "connect_timeout_s": 2.0}
 

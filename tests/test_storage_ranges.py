@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hp_dcp_hf.box import Box, disjoint_cover, flat_range_boxes
+from hp_dcp_hf.geometry.box import Box, disjoint_cover, flat_range_boxes
 from hp_dcp_hf.storage.format.ranges import (
     Piece,
     box_byte_ranges,

@@ -12,10 +12,10 @@ import torch
 
 from hp_dcp_hf import HFMappingPlanner, HFStorageReader
 from hp_dcp_hf.mapping.structure import Bound
-from hp_dcp_hf.toolkit import _fake_rank, _register_fake_backend
+from hp_dcp_hf.tools.toolkit import _fake_rank, _register_fake_backend
 from hp_dcp_hf.transforms import fuse_qkv, grouped_gemm_experts
-from tests.dist.layouts import apply_layout
-from tests.models import MODEL_TYPES, build_model
+from tests.support.layouts import apply_layout
+from tests.support.models import MODEL_TYPES, build_model
 
 WORLD = 4
 LAYOUTS = ("shard0", "shard_last", "strided", "fsdp_tp")

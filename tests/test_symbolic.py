@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hp_dcp_hf.mapping.symbolic import RegionTensor, UntraceableOp
-from tests.symbolic_check import materialize
+from tests.support.symbolic_check import materialize
 
 
 def _both(shapes, fn):

@@ -35,8 +35,8 @@ from torch.distributed.checkpoint.planner import (
 from transformers.core_model_loading import Concatenate, WeightConverter
 
 from hp_dcp_hf import HFMappingPlanner, HFStorageReader
-from hp_dcp_hf.box import Box
 from hp_dcp_hf.errors import CheckpointFormatError
+from hp_dcp_hf.geometry.box import Box
 from hp_dcp_hf.storage.format.catalog import INDEX_FILE, Catalog, assemble, scan
 from hp_dcp_hf.storage.format.header import SAVED_OFFSETS_KEY, SHARDING_INFO_KEY, TensorEntry
 from hp_dcp_hf.storage.transport.location import filesystem, locate

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests import titan
+from tests.support import titan
 from tests.test_save import assert_same_checkpoint
 
 FAMILIES = titan.FAMILIES
@@ -30,7 +30,7 @@ def _hf_state(path) -> dict[str, torch.Tensor]:
 
 def test_load_equals_torchtitan_from_hf_and_saves_back(checkpoint, tmp_path):
     from hp_dcp_hf.integrations import torchtitan as tt
-    from hp_dcp_hf.written import own_state_dict
+    from hp_dcp_hf.load.written import own_state_dict
 
     family, path = checkpoint
     expected = titan.reference(family, path)
@@ -116,7 +116,7 @@ def test_quantized_checkpoints_load_as_their_values(family, tmp_path):
     load as for transformers models: the same values as the dequantized twin, which torchtitan's own
     ``from_hf`` loads (DeepSeek-V3; its GPT-OSS adapter loads no experts, see above)."""
     from hp_dcp_hf.integrations import torchtitan as tt
-    from hp_dcp_hf.written import own_state_dict
+    from hp_dcp_hf.load.written import own_state_dict
 
     quantized, twin = titan.quantize_checkpoint(family, titan.make_checkpoint(family, tmp_path / "hf"), tmp_path)
     ours, values = titan.build(family, device="cpu"), titan.build(family, device="cpu")

@@ -30,7 +30,7 @@ from hp_dcp_hf.transforms.tp import (
     fused_without_tp_layout,
     rank_major,
 )
-from tests.models import build_model, model_class, tiny_config
+from tests.support.models import build_model, model_class, tiny_config
 
 QKV, GATE_UP, EXPERTS = fuse_qkv, fuse_gate_up, grouped_gemm_experts
 NAMES = {QKV: "qkv", GATE_UP: "gate_up", EXPERTS: "experts"}

@@ -18,12 +18,12 @@ from pathlib import Path
 import pytest
 
 import hp_dcp_hf
-from hp_dcp_hf.cli import main
 from hp_dcp_hf.errors import StorageWriteError
 from hp_dcp_hf.storage.format.journal import JOURNAL_FILE, LOCK_FILE, STAGING_PREFIX
 from hp_dcp_hf.storage.write.destination import Destination, Directory
-from tests.families import build_family_model, save_family_model
-from tests.servers.s3 import BUCKET
+from hp_dcp_hf.tools.cli import main
+from tests.support.families import build_family_model, save_family_model
+from tests.support.servers.s3 import BUCKET
 from tests.test_multipart import objects, pending_uploads
 from tests.test_save import anonymized, assert_same_checkpoint
 

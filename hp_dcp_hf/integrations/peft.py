@@ -12,8 +12,8 @@ over the model's state dict, and checks it against the load side of ``set_peft_m
 (auxiliary wrappers' load maps, then the tuner's ``_remap_adapter_state_dict_for_load``). The
 planners then see only the adapter's tensors, under their file names (:class:`AdapterTensors`), so
 the checkpoint mapping is the identity and the rest is the package's ordinary load and save:
-:class:`~hp_dcp_hf.planner.HFMappingPlanner` reads each rank's boxes, and
-:class:`~hp_dcp_hf.save_planner.HFSavePlanner` with :class:`AdapterStorageWriter` writes them, each
+:class:`~hp_dcp_hf.load.planner.HFMappingPlanner` reads each rank's boxes, and
+:class:`~hp_dcp_hf.save.planner.HFSavePlanner` with :class:`AdapterStorageWriter` writes them, each
 byte once, published atomically next to ``adapter_config.json``.
 
 Tensor parallelism: :func:`parallelize_lora` shards every LoRA layer the way its base layer's TP
@@ -60,7 +60,6 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from hp_dcp_hf.api import load_hf_checkpoint, save_hf_checkpoint
 from hp_dcp_hf.errors import (
     ArchitectureMismatchError,
     ArgumentError,
@@ -72,9 +71,11 @@ from hp_dcp_hf.errors import (
     PlanningError,
     UnexpectedKeysError,
 )
+from hp_dcp_hf.load.api import load_hf_checkpoint
+from hp_dcp_hf.load.planner import HFMappingPlanner, LoadReport, describe_keys
 from hp_dcp_hf.mapping.families import natural_sorted
-from hp_dcp_hf.planner import HFMappingPlanner, LoadReport, describe_keys
-from hp_dcp_hf.save_planner import HFSavePlanner
+from hp_dcp_hf.save.api import save_hf_checkpoint
+from hp_dcp_hf.save.planner import HFSavePlanner
 from hp_dcp_hf.storage import HFStorageReader, filesystem, locate
 from hp_dcp_hf.storage.format.header import MAX_HEADER_BYTES
 from hp_dcp_hf.storage.format.journal import Journal, Step

@@ -41,14 +41,14 @@ from transformers.core_model_loading import (
     WeightTransform,
 )
 
-from hp_dcp_hf.api import load_hf_checkpoint as _load
-from hp_dcp_hf.api import save_hf_checkpoint as _save
 from hp_dcp_hf.errors import ArgumentError, CheckpointNotFoundError, MappingError
+from hp_dcp_hf.load.api import load_hf_checkpoint as _load
+from hp_dcp_hf.load.planner import LoadReport
+from hp_dcp_hf.load.written import own_state_dict
 from hp_dcp_hf.mapping.ops import ConcatenateInGroups, PermuteHeadsForRope
 from hp_dcp_hf.mapping.stages import add_weight_mapping
-from hp_dcp_hf.planner import LoadReport
+from hp_dcp_hf.save.api import save_hf_checkpoint as _save
 from hp_dcp_hf.storage import HFStorageReader
-from hp_dcp_hf.written import own_state_dict
 
 
 def missing_torchtitan(version: tuple[int, ...] = tuple(sys.version_info)) -> str:
@@ -241,7 +241,7 @@ def load_hf_checkpoint(model: nn.Module, path: str, *, reader: HFStorageReader |
     on the model: a later :func:`save_hf_checkpoint` writes it back (a checkpoint without one loads,
     and its save needs ``hf_config=``).
     """
-    from hp_dcp_hf.pipeline import read_config
+    from hp_dcp_hf.model.config import read_config
 
     _refuse_own_arguments(kwargs)
     if reader is None:  # built here, as hp_dcp_hf.load_hf_checkpoint would, for its storage options
@@ -267,7 +267,7 @@ def save_hf_checkpoint(model: nn.Module, path: str | os.PathLike, *, hf_config: 
     keys and grouping are transformers' for that config's class; each rank writes its own shards'
     bytes, in the single parallel pass of :func:`hp_dcp_hf.save_hf_checkpoint` (``kwargs``).
     """
-    from hp_dcp_hf.pipeline import read_config
+    from hp_dcp_hf.model.config import read_config
 
     _refuse_own_arguments(kwargs)
     if isinstance(hf_config, (str, os.PathLike)):

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from hp_dcp_hf.box import Box
+from hp_dcp_hf.geometry.box import Box
 from hp_dcp_hf.mapping.structure import Bound, Structure, slot_of
 from hp_dcp_hf.mapping.symbolic import Axis, Piece, restrict
 

@@ -41,7 +41,7 @@ from hp_dcp_hf.mapping.families import (
 from hp_dcp_hf.mapping.ops import PermuteHeadsForRope
 from hp_dcp_hf.mapping.structure import Bound, Structure
 from hp_dcp_hf.mapping.symbolic import RegionTensor, UntraceableOp
-from hp_dcp_hf.perf import paused_gc
+from hp_dcp_hf.util.perf import paused_gc
 
 logger = logging.getLogger(__name__)
 

@@ -4,8 +4,6 @@
   ``DistributedConfig`` (:func:`distributed_config`) or a ``DeviceMesh`` (:func:`init_mesh`).
 * :mod:`hp_dcp_hf.parallel.plans`: :class:`TransformersPlans`, the ``parallelize=`` callable
   :func:`hp_dcp_hf.from_pretrained` uses for ``distributed_config=``.
-* :mod:`hp_dcp_hf.parallel.collectives`: one rank's bytes or error shared with all, and the
-  agreement on failure every load and save ends with (no pickling).
 """
 
 from hp_dcp_hf.parallel.mesh import (

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from hp_dcp_hf.lazy import lazy_exports
+from hp_dcp_hf.util.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from hp_dcp_hf.storage.format.catalog import (

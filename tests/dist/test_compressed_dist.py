@@ -2,7 +2,7 @@
 compressed-tensors' own decompression gives, reading only its packed units and the scales and zero
 points covering them.
 
-The checkpoints and their oracle twins are ``tests/compressed.py``'s (written by compressed-tensors'
+The checkpoints and their oracle twins are ``tests/support/compressed.py``'s (written by compressed-tensors'
 compressors, decompressed by its ``ModelCompressor``). Each case loads the compressed checkpoint
 through ``from_pretrained`` on one spawned world of 4 ranks, reused by every case (4-way meshes, and
 2 x 2 ones whose dims cut in 2); each parameter's ``full_tensor()`` must be bit-identical to
@@ -20,12 +20,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hp_dcp_hf.launch import run_ranks
-from hp_dcp_hf.toolkit import plan_ranks
-from tests.compressed import make_case, read_tensors
-from tests.families import family_model_class, load_family_reference
+from hp_dcp_hf.tools.launch import run_ranks
+from hp_dcp_hf.tools.toolkit import plan_ranks
+from tests.support.compressed import make_case, read_tensors
+from tests.support.families import family_model_class, load_family_reference
 
-#: name -> (checkpoint case of tests/compressed.py, mesh, transforms, model dtype)
+#: name -> (checkpoint case of tests/support/compressed.py, mesh, transforms, model dtype)
 CASES = {
     "w4a16-asym-tp4": ("w4a16-asym", "tp=4", (), torch.bfloat16),
     "w4a16-asym-dp4": ("w4a16-asym", "dp=4", (), torch.float32),

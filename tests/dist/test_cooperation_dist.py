@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from hp_dcp_hf.launch import _context, free_port, run_ranks
-from tests.families import family_model_class, load_family_reference
-from tests.models import load_reference
-from tests.quantized import make_fp8_checkpoint
+from hp_dcp_hf.tools.launch import _context, free_port, run_ranks
+from tests.support.families import family_model_class, load_family_reference
+from tests.support.models import load_reference
+from tests.support.quantized import make_fp8_checkpoint
 
 CASES = {  # name -> (checkpoint, transforms, mesh, reader options)
     "llama-fsdp-tp": ("llama", (), "dp=2,tp=2", {"span_bytes": 4096}),
@@ -43,7 +43,7 @@ def _full(state: dict) -> dict:
 
 def _load(rank: int, world: int, paths: dict) -> dict:
     from hp_dcp_hf import HFStorageReader
-    from hp_dcp_hf.pipeline import from_pretrained
+    from hp_dcp_hf.integrations.transformers import from_pretrained
 
     out = {}
     for name, (checkpoint, transforms, mesh, options) in CASES.items():
@@ -74,7 +74,7 @@ def _load(rank: int, world: int, paths: dict) -> dict:
 def _remote(rank: int, paths: dict[str, str]) -> dict:
     """The HSDP llama from S3 and HTTP with the default ``cooperate="auto"`` and default spans."""
     from hp_dcp_hf import HFStorageReader
-    from hp_dcp_hf.pipeline import from_pretrained
+    from hp_dcp_hf.integrations.transformers import from_pretrained
 
     out = {}
     for name, options in (("s3", {"storage_options": {**paths["s3_options"], "config_kwargs": {
@@ -96,7 +96,7 @@ def _failures(rank: int, path: str) -> dict[str, str]:
     rank raises, and whether its model is as it was (never half loaded)."""
     from hp_dcp_hf import HFMappingPlanner, HFStorageReader
     from hp_dcp_hf.errors import MappingError, StorageReadError
-    from hp_dcp_hf.pipeline import from_pretrained
+    from hp_dcp_hf.integrations.transformers import from_pretrained
     from hp_dcp_hf.storage.read import exchange
     from hp_dcp_hf.storage.transport import fsspec_backend
 
@@ -135,8 +135,8 @@ def _failures(rank: int, path: str) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def run(tiny_checkpoints, tmp_path_factory):
-    from tests.servers.range_server import StaticRangeServer
-    from tests.servers.s3 import MotoS3
+    from tests.support.servers.range_server import StaticRangeServer
+    from tests.support.servers.s3 import MotoS3
 
     llama = tiny_checkpoints("llama", torch.bfloat16, intermediate_size=42)
     mixtral = tiny_checkpoints("mixtral", torch.bfloat16, intermediate_size=48)
@@ -246,7 +246,7 @@ def _dying_rank(rank: int, world: int, port: int, path: str, out: str) -> None:
     import torch.distributed as dist
 
     from hp_dcp_hf import HFStorageReader
-    from hp_dcp_hf.pipeline import from_pretrained
+    from hp_dcp_hf.integrations.transformers import from_pretrained
     from hp_dcp_hf.storage.read import exchange
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)

@@ -10,9 +10,9 @@ import torch
 
 from hp_dcp_hf import HFStorageReader, load_hf_checkpoint
 from hp_dcp_hf.errors import ArchitectureMismatchError, MappingError, StorageReadError
-from hp_dcp_hf.launch import run_ranks
-from tests.dist.layouts import apply_layout
-from tests.models import model_class, tiny_config
+from hp_dcp_hf.tools.launch import run_ranks
+from tests.support.layouts import apply_layout
+from tests.support.models import model_class, tiny_config
 
 
 def _model(model_type: str, world: int, **overrides):

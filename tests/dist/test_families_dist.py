@@ -1,4 +1,4 @@
-"""The family matrix under parallelism: the families of :data:`tests.families.DIST_FAMILIES`
+"""The family matrix under parallelism: the families of :data:`tests.support.families.DIST_FAMILIES`
 (together they use every kind of conversion op of transformers' table; ``tests/test_families.py``
 loads all of them in one process and checks that cover) load through ``hp_dcp_hf.from_pretrained``
 on 2 gloo ranks with FSDP2 (``dp=2``) and with transformers' tp plan (``tp=2``), and a
@@ -18,8 +18,8 @@ import warnings
 import pytest
 import torch
 
-from hp_dcp_hf.launch import run_ranks
-from tests.families import (
+from hp_dcp_hf.tools.launch import run_ranks
+from tests.support.families import (
     DIST_FAMILIES,
     MOE_FAMILIES,
     family_model_class,

@@ -7,8 +7,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from hp_dcp_hf import load_hf_checkpoint
-from hp_dcp_hf.launch import run_ranks
-from tests.models import load_reference, model_class, tiny_config
+from hp_dcp_hf.tools.launch import run_ranks
+from tests.support.models import load_reference, model_class, tiny_config
 
 
 def _fully_sharded_loads(rank: int, world: int, paths: dict[str, str]) -> dict[str, list[str]]:

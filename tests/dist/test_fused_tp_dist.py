@@ -3,7 +3,7 @@
 The flow of a training framework: ``fuse_qkv`` + ``fuse_gate_up`` on the meta skeleton, then
 transformers' ``prepare_distribute_model`` / ``maybe_distribute_model`` (its ``apply_tensor_parallelism``
 with the plan the rewrites retargeted, FSDP2 on top for ``fsdp_size``), then materialize and load
-(:func:`hp_dcp_hf.pipeline.from_pretrained`). Tiny llama with biases, 4 query / 2 key-value heads of
+(:func:`hp_dcp_hf.integrations.transformers.from_pretrained`). Tiny llama with biases, 4 query / 2 key-value heads of
 10, intermediate 42, untied head (transformers' ``apply_tensor_parallelism`` cannot shard a tied
 ``lm_head``), on:
 
@@ -23,8 +23,8 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-from hp_dcp_hf.launch import run_ranks
-from tests.models import model_class
+from hp_dcp_hf.tools.launch import run_ranks
+from tests.support.models import model_class
 
 OVERRIDES = dict(attention_bias=True, mlp_bias=True, intermediate_size=42, tie_word_embeddings=False)
 IDS = torch.arange(14).reshape(2, 7) * 7 % 101
@@ -39,8 +39,8 @@ FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj
 def _run(rank: int, world: int, path: str, sizes: dict) -> dict:
     from transformers import DistributedConfig
 
-    from hp_dcp_hf.layout import local_tensor
-    from hp_dcp_hf.pipeline import from_pretrained
+    from hp_dcp_hf.geometry.shards import local_tensor
+    from hp_dcp_hf.integrations.transformers import from_pretrained
     from hp_dcp_hf.transforms.tp import fused_without_tp_layout
 
     cls = model_class("llama")

@@ -10,7 +10,7 @@ checkpoint exactly when the killed save had journaled its publish.
 Destinations: a local directory and S3 (moto's server). Older checkpoints: ``save_pretrained``'s
 sharded files under the names the new save wants (it must take others, then switch the index), and
 ``save_pretrained``'s single ``model.safetensors`` (a sharded save replaces it). The fault points
-come from a traced clean save (:mod:`tests.save_jobs`): every step, killed before it runs, and the
+come from a traced clean save (:mod:`tests.support.save_jobs`): every step, killed before it runs, and the
 last one after it. ``HP_DCP_HF_KILL_TRIES`` sets the random kills (default 6 local, 4 on S3 here;
 ``bench/kill_saves.py`` runs the long loop).
 """
@@ -35,10 +35,10 @@ import hp_dcp_hf
 from hp_dcp_hf.errors import HPDCPHFError
 from hp_dcp_hf.storage.format.journal import JOURNAL_FILE
 from hp_dcp_hf.storage.write.writer import destination_for
-from hp_dcp_hf.toolkit import inspect_checkpoint
-from tests.families import family_model_class, save_family_model
-from tests.save_jobs import SHARD, Zygote, build_model
-from tests.servers.s3 import BUCKET, MotoS3
+from hp_dcp_hf.tools.toolkit import inspect_checkpoint
+from tests.support.families import family_model_class, save_family_model
+from tests.support.save_jobs import SHARD, Zygote, build_model
+from tests.support.servers.s3 import BUCKET, MotoS3
 
 OLD, NEW = 1, 2  # the seeds of the older checkpoint and of the model the job saves
 RANDOM_TRIES = int(os.environ.get("HP_DCP_HF_KILL_TRIES", "6"))

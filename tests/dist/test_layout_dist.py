@@ -21,10 +21,10 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, ShardOrderEntry,
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard, _StridedShard
 
-from hp_dcp_hf.box import disjoint_cover
 from hp_dcp_hf.errors import LayoutError
-from hp_dcp_hf.launch import run_ranks
-from hp_dcp_hf.layout import ShardPiece, local_shard_pieces
+from hp_dcp_hf.geometry.box import disjoint_cover
+from hp_dcp_hf.geometry.shards import ShardPiece, local_shard_pieces
+from hp_dcp_hf.tools.launch import run_ranks
 
 SS = _StridedShard
 

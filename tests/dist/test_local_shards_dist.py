@@ -18,8 +18,8 @@ import os
 import pytest
 import torch
 
-from hp_dcp_hf.launch import run_ranks
-from tests.models import make_checkpoint, model_class, tiny_config
+from hp_dcp_hf.tools.launch import run_ranks
+from tests.support.models import make_checkpoint, model_class, tiny_config
 from tests.test_save import SHARD, assert_same_checkpoint
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -79,7 +79,7 @@ def shard_model(model: torch.nn.Module, rank: int, world: int, scheme: str) -> N
     """Every parameter becomes a NaN-filled plain local buffer with the protocol's attributes:
     its shards stacked along dim 0 in the order :func:`geometry` gives, one padding row after each
     and one padding element beyond the widest shard in every other dim. Tied parameters stay one."""
-    from hp_dcp_hf.layout import mark_checkpointable
+    from hp_dcp_hf.geometry.shards import mark_checkpointable
     from tests.test_local_shards import replace_parameters
 
     def make(param: torch.nn.Parameter) -> torch.nn.Parameter:
@@ -112,7 +112,7 @@ def _one(rank: int, world: int, path: str, out: str, model_type: str, rewrites: 
         load_hf_checkpoint,
         save_hf_checkpoint,
     )
-    from hp_dcp_hf.layout import local_shard_pieces, local_tensor
+    from hp_dcp_hf.geometry.shards import local_shard_pieces, local_tensor
 
     with torch.device("meta"):
         model = model_class(model_type)(tiny_config(model_type)).float()

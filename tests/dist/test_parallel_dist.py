@@ -15,8 +15,8 @@ import torch
 from torch import nn
 from transformers import LlamaForCausalLM
 
-from hp_dcp_hf.launch import run_ranks
-from tests.models import _randomize_, model_class, tiny_config
+from hp_dcp_hf.tools.launch import run_ranks
+from tests.support.models import _randomize_, model_class, tiny_config
 
 IDS = torch.arange(14).reshape(2, 7) * 7 % 101
 

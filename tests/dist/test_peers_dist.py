@@ -22,9 +22,9 @@ from transformers.core_model_loading import convert_and_load_state_dict_in_model
 from transformers.modeling_utils import LoadStateDictConfig
 
 from hp_dcp_hf import HFStorageReader, load_hf_checkpoint
-from hp_dcp_hf.launch import run_ranks
-from tests.dist.layouts import apply_layout
-from tests.models import checkpoint_files, load_reference, model_class, tiny_config
+from hp_dcp_hf.tools.launch import run_ranks
+from tests.support.layouts import apply_layout
+from tests.support.models import checkpoint_files, load_reference, model_class, tiny_config
 
 
 def _wrong_keys(model, reference) -> list[str]:

@@ -32,7 +32,7 @@ import warnings
 import pytest
 import torch
 
-from hp_dcp_hf.launch import run_ranks
+from hp_dcp_hf.tools.launch import run_ranks
 
 pytest.importorskip("peft")
 
@@ -95,7 +95,7 @@ def _sharded_peft_model(family: str, mesh_spec: str, base: str, adapter: str):
     from hp_dcp_hf import from_pretrained
     from hp_dcp_hf.integrations.peft import parallelize_lora, read_adapter_config
     from hp_dcp_hf.parallel import init_mesh
-    from tests.models import model_class
+    from tests.support.models import model_class
 
     mesh = init_mesh(mesh_spec)
     dims = mesh.mesh_dim_names

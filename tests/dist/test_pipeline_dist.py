@@ -24,9 +24,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from hp_dcp_hf.launch import run_ranks
-from hp_dcp_hf.layout import local_tensor
-from tests.models import MODEL_TYPES, load_reference, model_class
+from hp_dcp_hf.geometry.shards import local_tensor
+from hp_dcp_hf.tools.launch import run_ranks
+from tests.support.models import MODEL_TYPES, load_reference, model_class
 
 IDS = torch.arange(14).reshape(2, 7) * 7 % 101
 DROPPED = ("model.embed_tokens.weight", "model.layers.0.mlp.down_proj.weight", "model.norm.weight")
@@ -48,7 +48,7 @@ def _run(rank: int, world: int, paths: dict[str, str]) -> dict:
     from torch.distributed.tensor import DTensor
 
     from hp_dcp_hf.errors import MissingKeysError
-    from hp_dcp_hf.pipeline import PretrainedLoadReport, from_pretrained
+    from hp_dcp_hf.integrations.transformers import PretrainedLoadReport, from_pretrained
 
     out: dict = {}
     for name, (ckpt, _, transforms, mesh) in CASES.items():

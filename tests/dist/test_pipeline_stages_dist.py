@@ -5,7 +5,7 @@ model, published once.
 
 Stage ranks lay their layers out on meshes of one kind (each stage's ``dp`` submesh): the replica
 groups of a save or a cooperative load must not take rank 0 of one stage for a copy of rank 0 of
-the other (:func:`hp_dcp_hf.parallel.replicas.model_part`).
+the other (:func:`hp_dcp_hf.geometry.replicas.model_part`).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from hp_dcp_hf.launch import run_ranks
-from tests.models import checkpoint_files, load_reference, model_class
+from hp_dcp_hf.tools.launch import run_ranks
+from tests.support.models import checkpoint_files, load_reference, model_class
 from tests.test_save import assert_same_checkpoint
 
 LAYERS, STAGES = 4, 2
@@ -47,7 +47,7 @@ def _run(rank: int, world: int, path: str, out: str, refused: str) -> dict:
 
     from hp_dcp_hf import HFStorageReader, load_hf_checkpoint, save_hf_checkpoint
     from hp_dcp_hf.errors import MappingError
-    from hp_dcp_hf.pipeline import read_config
+    from hp_dcp_hf.model.config import read_config
 
     mesh = init_device_mesh("cpu", (STAGES, world // STAGES), mesh_dim_names=("pp", "dp"))
     model = _stage_model(read_config(path), mesh["pp"].get_local_rank())

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from hp_dcp_hf import HFMappingPlanner, HFStorageReader, load_hf_checkpoint
-from hp_dcp_hf.launch import run_ranks
-from hp_dcp_hf.layout import local_tensor
-from tests.dist.layouts import LAYOUTS_1D, LAYOUTS_2D, apply_layout
-from tests.models import MODEL_TYPES, load_reference, model_class, tiny_config
+from hp_dcp_hf.geometry.shards import local_tensor
+from hp_dcp_hf.tools.launch import run_ranks
+from tests.support.layouts import LAYOUTS_1D, LAYOUTS_2D, apply_layout
+from tests.support.models import MODEL_TYPES, load_reference, model_class, tiny_config
 
 MOE = ("mixtral", "qwen3_moe", "sarvam_moe", "qwen3_vl_moe")
 

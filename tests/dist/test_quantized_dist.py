@@ -2,7 +2,7 @@
 scales covering them, and loads exactly the dequantized values (FP8 block-scaled DeepSeek-V3 and
 Qwen3-MoE, MXFP4 gpt-oss experts).
 
-Each case loads the quantized checkpoint and its dequantized twin (``tests/quantized.py``) through
+Each case loads the quantized checkpoint and its dequantized twin (``tests/support/quantized.py``) through
 ``from_pretrained`` with the same mesh and rewrites; every parameter's ``full_tensor()`` must be
 bit-identical between the two (the twin's loads are themselves checked against transformers in
 the other dist tests), and, for the unrewritten cases, to transformers' single-process load of the
@@ -17,9 +17,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hp_dcp_hf.launch import run_ranks
-from tests.families import family_model_class, load_family_reference
-from tests.quantized import make_fp8_checkpoint, make_mxfp4_checkpoint
+from hp_dcp_hf.tools.launch import run_ranks
+from tests.support.families import family_model_class, load_family_reference
+from tests.support.quantized import make_fp8_checkpoint, make_mxfp4_checkpoint
 
 CHECKPOINTS = {  # name -> (model type, make_fp8_checkpoint options; None: MXFP4)
     "deepseek_v3": ("deepseek_v3", {}),

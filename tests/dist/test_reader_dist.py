@@ -21,12 +21,12 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadIte
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 
-from hp_dcp_hf.box import Box
 from hp_dcp_hf.errors import HPDCPHFError, PlanningError, StorageReadError
-from hp_dcp_hf.launch import run_ranks
+from hp_dcp_hf.geometry.box import Box
 from hp_dcp_hf.storage.format.catalog import INDEX_FILE
 from hp_dcp_hf.storage.read.reader import HFStorageReader
 from hp_dcp_hf.storage.transport import location as location_module
+from hp_dcp_hf.tools.launch import run_ranks
 
 FILE_1 = {
     "rows": torch.randn(7, 5),

@@ -30,12 +30,12 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from hp_dcp_hf import HFMappingPlanner, HFStorageReader, load_hf_checkpoint
 from hp_dcp_hf.errors import StorageReadError
-from hp_dcp_hf.launch import run_ranks
-from tests.dist.layouts import apply_layout
-from tests.models import model_class, tiny_config
-from tests.servers.fake_hub import FakeHub
-from tests.servers.range_server import StaticRangeServer
-from tests.servers.s3 import MotoS3
+from hp_dcp_hf.tools.launch import run_ranks
+from tests.support.layouts import apply_layout
+from tests.support.models import model_class, tiny_config
+from tests.support.servers.fake_hub import FakeHub
+from tests.support.servers.range_server import StaticRangeServer
+from tests.support.servers.s3 import MotoS3
 
 MODEL = "mixtral"
 BUCKET = "hp-dist"

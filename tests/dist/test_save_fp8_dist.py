@@ -22,9 +22,9 @@ import os
 import pytest
 import torch
 
-from hp_dcp_hf.launch import run_ranks
-from hp_dcp_hf.quantize import CeilGrids, fp8_config
-from tests.families import build_family_model, family_model_class, save_family_model
+from hp_dcp_hf.quant.encode import CeilGrids, fp8_config
+from hp_dcp_hf.tools.launch import run_ranks
+from tests.support.families import build_family_model, family_model_class, save_family_model
 from tests.test_save import SHARD, anonymized
 from tests.test_save_fp8 import (
     BLOCK16,

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hp_dcp_hf.launch import run_ranks
+from hp_dcp_hf.tools.launch import run_ranks
 from tests.test_save_mapping import ALL_CASES, CASES, MIXTRAL, assert_same_weights, weights, write_checkpoint
 
 LAYOUTS = ("shard0", "strided")
@@ -32,8 +32,8 @@ def _save(rank: int, world: int, checkpoints: dict[str, str], out: str) -> dict[
         load_hf_checkpoint,
         save_hf_checkpoint,
     )
-    from tests.dist.layouts import apply_layout
-    from tests.families import family_model_class
+    from tests.support.families import family_model_class
+    from tests.support.layouts import apply_layout
     from tests.test_save_mapping import build_source, case_mapping
 
     written = {}

@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from transformers.core_model_loading import Concatenate, WeightConverter
 
 from hp_dcp_hf import HFStorageReader, load_hf_checkpoint
-from hp_dcp_hf.launch import run_ranks
+from hp_dcp_hf.tools.launch import run_ranks
 
 WORLD = 4
 QKV = ("attn.q.weight", "attn.k.weight", "attn.v.weight")

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hp_dcp_hf.launch import run_ranks
-from tests import titan
+from hp_dcp_hf.tools.launch import run_ranks
+from tests.support import titan
 from tests.test_save import assert_same_checkpoint
 
 L = titan.Layout

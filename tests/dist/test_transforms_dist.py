@@ -18,10 +18,10 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from hp_dcp_hf import HFMappingPlanner, HFStorageReader, load_hf_checkpoint
 from hp_dcp_hf.errors import MappingError
-from hp_dcp_hf.launch import run_ranks
+from hp_dcp_hf.tools.launch import run_ranks
 from hp_dcp_hf.transforms import fuse_gate_up, fuse_qkv, grouped_gemm_experts
-from tests.dist.layouts import apply_layout
-from tests.models import model_class, tiny_config
+from tests.support.layouts import apply_layout
+from tests.support.models import model_class, tiny_config
 
 REWRITES = {"qkv": fuse_qkv, "gate_up": fuse_gate_up, "experts": grouped_gemm_experts}
 MODELS = {
@@ -29,7 +29,7 @@ MODELS = {
     "mixtral": ("mixtral", {}),
     "qwen3_moe": ("qwen3_moe", dict(mlp_only_layers=[0])),
 }
-# (model, rewrites, layout): 1-D layouts of tests.dist.layouts on 3 ranks; "ep_tpN" on a 2 x 2 mesh.
+# (model, rewrites, layout): 1-D layouts of tests.support.layouts on 3 ranks; "ep_tpN" on a 2 x 2 mesh.
 CASES = {
     3: [
         ("llama", ("qkv", "gate_up"), "shard0"),

@@ -33,7 +33,6 @@ from typing import Any
 
 import torch
 
-from hp_dcp_hf.box import Box
 from hp_dcp_hf.errors import (
     CheckpointFormatError,
     CheckpointNotFoundError,
@@ -41,6 +40,7 @@ from hp_dcp_hf.errors import (
     MixedCheckpointError,
     UnsafeCheckpointError,
 )
+from hp_dcp_hf.geometry.box import Box
 from hp_dcp_hf.storage.format.dtypes import lookup_dtype
 from hp_dcp_hf.storage.format.header import (
     MAX_HEADER_BYTES,
@@ -57,7 +57,7 @@ from hp_dcp_hf.storage.transport.stats import ReadStats
 CONFIG_FILE = "config.json"
 QUANTIZATION_CONFIG = "hp_dcp_hf.quantization_config"
 """The key of ``Metadata.planner_data`` under which the reader hands ``config.json``'s
-``quantization_config`` to the planner (see :mod:`hp_dcp_hf.mapping.quantized`)."""
+``quantization_config`` to the planner (see :mod:`hp_dcp_hf.quant.decode`)."""
 SAFETENSORS_SUFFIX = ".safetensors"
 _UNSAFE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 _CONVERT_HINT = (

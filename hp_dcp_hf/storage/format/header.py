@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from hp_dcp_hf.box import Box
 from hp_dcp_hf.errors import CheckpointFormatError
+from hp_dcp_hf.geometry.box import Box
 from hp_dcp_hf.storage.format.dtypes import lookup_dtype
 from hp_dcp_hf.storage.transport.location import CheckpointLocation
 from hp_dcp_hf.storage.transport.stats import ReadStats

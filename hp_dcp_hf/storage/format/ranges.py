@@ -15,7 +15,7 @@ from operator import attrgetter
 
 import numpy as np
 
-from hp_dcp_hf.box import Box
+from hp_dcp_hf.geometry.box import Box
 
 
 def _runs(shape: Sequence[int], itemsize: int, box: Box) -> tuple[int, list[int]] | None:

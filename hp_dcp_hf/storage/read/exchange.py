@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from hp_dcp_hf.errors import HPDCPHFError, StorageReadError
-from hp_dcp_hf.parallel.collectives import collective_device
+from hp_dcp_hf.util.collectives import collective_device
 
 
 @dataclass(frozen=True)

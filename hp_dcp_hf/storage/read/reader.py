@@ -46,10 +46,8 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from hp_dcp_hf.box import Box
 from hp_dcp_hf.errors import HPDCPHFError, PlanningError, StorageReadError
-from hp_dcp_hf.parallel.collectives import agree_on_failure, share_from_rank0, should_broadcast
-from hp_dcp_hf.perf import paused_gc
+from hp_dcp_hf.geometry.box import Box
 from hp_dcp_hf.storage.format.catalog import QUANTIZATION_CONFIG, Catalog, CheckpointTensor, find_files, scan
 from hp_dcp_hf.storage.format.header import TensorEntry
 from hp_dcp_hf.storage.format.journal import leftovers_warning
@@ -72,6 +70,8 @@ from hp_dcp_hf.storage.transport.fsspec_backend import DIRECT_IO_ALIGN
 from hp_dcp_hf.storage.transport.location import CheckpointLocation, RangeFile, filesystem, locate
 from hp_dcp_hf.storage.transport.remote import RetryPolicy
 from hp_dcp_hf.storage.transport.stats import ReadStats
+from hp_dcp_hf.util.collectives import agree_on_failure, share_from_rank0, should_broadcast
+from hp_dcp_hf.util.perf import paused_gc
 
 _ALIGN = 16
 """Staged chunks start at multiples of this, so a byte slice can be viewed as any dtype."""

@@ -25,7 +25,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from hp_dcp_hf.parallel.collectives import collective_device
 from hp_dcp_hf.storage.format.catalog import CheckpointTensor
 from hp_dcp_hf.storage.format.header import TensorEntry
 from hp_dcp_hf.storage.read.copy import copy_into
@@ -43,6 +42,7 @@ from hp_dcp_hf.storage.read.spans import (
 )
 from hp_dcp_hf.storage.transport.location import CheckpointLocation
 from hp_dcp_hf.storage.transport.stats import ReadStats
+from hp_dcp_hf.util.collectives import collective_device
 
 
 @dataclass(frozen=True)

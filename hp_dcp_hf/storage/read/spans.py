@@ -29,7 +29,7 @@ from functools import cached_property
 
 import numpy as np
 
-from hp_dcp_hf.box import Box
+from hp_dcp_hf.geometry.box import Box
 from hp_dcp_hf.storage.format.ranges import box_byte_runs
 
 SPAN_BYTES = 8 * 2**20

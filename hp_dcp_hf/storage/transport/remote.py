@@ -64,6 +64,7 @@ from hp_dcp_hf.storage.transport.backend import (
     read_ranged,
 )
 from hp_dcp_hf.storage.transport.options import check_storage_options
+from hp_dcp_hf.version import __version__
 
 __all__ = [
     "HttpBackend",
@@ -95,8 +96,6 @@ def _require_requests():
 
 
 def _user_agent() -> str:
-    from hp_dcp_hf import __version__
-
     agent = f"hp-dcp-hf/{__version__}"
     try:
         import torch.distributed as dist

@@ -32,8 +32,8 @@ from typing import Any, Literal
 
 import torch
 
-from hp_dcp_hf.box import Box, flat_range_boxes
 from hp_dcp_hf.errors import CheckpointFormatError, HPDCPHFError, StorageWriteError
+from hp_dcp_hf.geometry.box import Box, flat_range_boxes
 from hp_dcp_hf.storage.format.files import SavedFile, SavedTensor
 from hp_dcp_hf.storage.format.header import MAX_HEADER_BYTES, METADATA_KEY
 from hp_dcp_hf.storage.format.journal import (

@@ -38,7 +38,6 @@ import torch
 import torch.distributed as dist
 
 from hp_dcp_hf.errors import HPDCPHFError, StorageWriteError
-from hp_dcp_hf.parallel.collectives import agree_on_failure, should_broadcast
 from hp_dcp_hf.storage.format.files import SavedFile
 from hp_dcp_hf.storage.format.journal import LOCK_FILE, WEIGHT_FILE, Journal, leftovers
 from hp_dcp_hf.storage.write.destination import (
@@ -51,6 +50,7 @@ from hp_dcp_hf.storage.write.destination import (
     owner_text,
 )
 from hp_dcp_hf.storage.write.parts import Part, file_parts, part_size, rounds
+from hp_dcp_hf.util.collectives import agree_on_failure, should_broadcast
 
 DEFAULT_PART_BYTES = 16 * 2**20
 """Part size: large enough for S3's per-request cost, small enough that a rank's memory stays near

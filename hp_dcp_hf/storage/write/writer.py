@@ -16,7 +16,7 @@ uploads.
 A quantized save (the planner's ``quantize="fp8"``) is quantized here, inside the same pass: before
 its first byte, each rank takes the amax of every scale block it writes part of, the ranks complete
 the blocks they share with one ``all_reduce(MAX)`` of those blocks only
-(:class:`~hp_dcp_hf.quantize.BlockAmax`), and each box is then quantized a staging slice at a time
+(:class:`~hp_dcp_hf.quant.encode.BlockAmax`), and each box is then quantized a staging slice at a time
 as it is written, its scales written by the rank that writes their block's first element.
 """
 
@@ -36,8 +36,8 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from hp_dcp_hf.box import Box
 from hp_dcp_hf.errors import PlanningError, StorageWriteError
+from hp_dcp_hf.geometry.box import Box
 from hp_dcp_hf.storage.format.files import SavedFile, SavedTensor, layout_files
 from hp_dcp_hf.storage.format.journal import SAVE_ID_KEY, SAVE_ID_LENGTH
 from hp_dcp_hf.storage.write.destination import BoxWrite, Destination, Directory, Staged
@@ -46,7 +46,7 @@ from hp_dcp_hf.storage.write.multipart import DEFAULT_PART_BYTES, LEASE_SECONDS,
 
 class Quantization(Protocol):
     """Weights a save stores quantized, as its planner hands them to every rank's writer
-    (:class:`hp_dcp_hf.quantize.Fp8Layout`, a layer above this one)."""
+    (:class:`hp_dcp_hf.quant.encode.Fp8Layout`, a layer above this one)."""
 
     shapes: dict[str, tuple[int, ...]]  # quantized key -> its shape
 
@@ -77,7 +77,7 @@ assert len(_ID_PLACEHOLDER) == SAVE_ID_LENGTH
 
 
 class HFStorageWriter(StorageWriter):
-    """Writes ``dcp.save`` plans of :class:`~hp_dcp_hf.save_planner.HFSavePlanner` as a Hugging Face
+    """Writes ``dcp.save`` plans of :class:`~hp_dcp_hf.save.planner.HFSavePlanner` as a Hugging Face
     checkpoint at ``path``: a directory, or an ``s3://`` prefix (``storage_options`` as s3fs takes
     them: ``key``, ``secret``, ``endpoint_url``, ``client_kwargs``, ...).
 

@@ -1,0 +1,1 @@
+"""Where tensors lie: boxes of elements, the local shards of a DTensor, and replica groups."""

@@ -1,9 +1,0 @@
-"""Real servers for remote-storage tests, all bound to 127.0.0.1 and stopped by their owners.
-
-* :mod:`tests.servers.range_server`: an HTTP server that honours ``Range``, logs requests and
-  injects faults (``StaticRangeServer`` serves a directory).
-* :mod:`tests.servers.fake_hub`: a fake Hugging Face Hub (the endpoints ``HfFileSystem`` and
-  ranged downloads use), on the same machinery.
-* :mod:`tests.servers.s3`: moto's S3 server with its request recorder.
-* :mod:`tests.servers.silent`: a server that accepts connections and never answers.
-"""

@@ -1,0 +1,1 @@
+"""What the tests share: tiny models and checkpoints, layouts, reference loads, and real servers."""
