@@ -1,6 +1,6 @@
 # hp-dcp-hf developer entry points. Needs only python3 (with venv + pip) and make.
 #   make demo   real multi-rank load of a checkpoint (the main job)
-#   make test   ruff + the whole pytest suite (what .ci/run runs)
+#   make test   make lint (ruff + the layer contracts) + the whole pytest suite (what .ci/run runs)
 #   make compat TORCH=2.X.Y   the same, in a venv of its own with that torch release
 
 PYTHON ?= python3
@@ -82,8 +82,7 @@ PYTEST_RUN = rc=0; $(1) -m pytest -q tests/ $(PYTEST_ARGS) || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make $@: pytest collected no tests -- failing" >&2; exit 1; fi; \
 	exit $$rc
 
-test: venv
-	@$(RUFF_CHECK)
+test: lint
 	@$(call PYTEST_RUN,$(PY))
 
 # `make test`'s pytest run in $(COMPAT_VENV) (lint does not depend on torch: `make lint`), which a
