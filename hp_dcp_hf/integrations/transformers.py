@@ -84,35 +84,6 @@ class PretrainedLoadReport(LoadReport):
     """The load of ``adapter=`` (its ``adapter_model.safetensors`` keys), when one was given."""
 
 
-def _checkpoint_dtypes(reader: HFStorageReader) -> Iterable[torch.dtype]:
-    return (md.properties.dtype for md in reader.read_metadata().state_dict_metadata.values())
-
-
-# -- stage 2 -----------------------------------------------------------------------------------
-
-
-def resolve_transform(transform: Transform) -> Callable[[nn.Module], nn.Module | None]:
-    """A rewrite: a callable, or the name of one in :mod:`hp_dcp_hf.transforms` (``"fuse_qkv"``)."""
-    if callable(transform):
-        return transform
-    from hp_dcp_hf import transforms
-
-    fn = getattr(transforms, str(transform), None)
-    if not callable(fn) or str(transform).startswith("_") or isinstance(fn, type):
-        known = ", ".join(n for n in getattr(transforms, "__all__", ()) if n[:1].islower())
-        raise PipelineError(f"unknown transform {transform!r}; known: {known}")
-    return fn
-
-
-def apply_transforms(model: nn.Module, transforms: Iterable[Transform]) -> nn.Module:
-    """Stage 2a: run every rewrite in order (each records its weight-mapping stage)."""
-    for transform in transforms:
-        out = resolve_transform(transform)(model)
-        model = out if isinstance(out, nn.Module) else model
-    return model
-
-
-
 def from_pretrained(
     path_or_repo: str,
     *,
@@ -190,36 +161,112 @@ def from_pretrained(
     """
     if reader is not None and reader_options:
         raise ValueError(f"pass reader= or reader options, not both (got {sorted(reader_options)})")
-    adapted: list[nn.Module] = []  # the PEFT model, once the adapter is added
-
-    def add_adapter(base: nn.Module) -> None:
-        from hp_dcp_hf.integrations.peft import wrap_with_adapter
-
-        adapted.append(wrap_with_adapter(base, adapter_config))
-
-    if adapter is not None:
-        from hp_dcp_hf.integrations.peft import read_adapter_config
-
-        adapter_options = reader_options.get("storage_options")  # the adapter's store is the checkpoint's
-        adapter_config = read_adapter_config(adapter, adapter_options, is_trainable=is_trainable)
-    elif is_trainable:
-        raise ArgumentError("is_trainable= says whether the adapter trains: pass adapter= too")
-    if distributed_config is not None:
-        if parallelize is not None:
-            raise ValueError("pass distributed_config= or parallelize=, not both")
-        from hp_dcp_hf.parallel import TransformersPlans
-
-        parallelize = TransformersPlans(distributed_config, before_fsdp=add_adapter if adapter is not None else None)
-    seconds: dict[str, float] = {}
-    clock = time.perf_counter()
-
-    def lap(stage: str) -> None:
-        nonlocal clock
-        now = time.perf_counter()
-        seconds[stage] = now - clock
-        clock = now
+    # the adapter's store is the checkpoint's; its config is read before anything is built
+    adapter_step = _read_adapter(adapter, is_trainable, reader_options.get("storage_options"))
+    parallelize = _parallelization(distributed_config, parallelize, adapter_step)
+    watch = _Stopwatch()
 
     reader = reader if reader is not None else HFStorageReader(path_or_repo, **reader_options)
+    model = _skeleton(path_or_repo, reader, config, model_cls, dtype, model_kwargs)
+    mapping = list(weights_mapping) if weights_mapping is not None else checkpoint_mapping(model)  # before renames
+    watch.lap("skeleton")
+
+    model = _rewrite(model, transforms)
+    watch.lap("transforms")
+    model = _parallelize(model, parallelize, adapter_step)  # the PEFT model with adapter=
+    watch.lap("parallelize")
+
+    logger.info("allocating the local shards on %s", device)
+    materialize(model, device)
+    watch.lap("materialize")
+    with _base_tree(model, adapter_step) as base_model:
+        retie(base_model)  # the base's tied names: the PEFT model's tree hides them
+        planner = planner_cls(base_model, weights_mapping=mapping, strict=strict, unexpected=unexpected,
+                              trace=loader == "dcp")
+        base = load_hf_checkpoint(base_model, path_or_repo, loader=loader, reader=reader, planner=planner)
+        watch.lap("load")
+        watch.seconds.update(base.seconds)
+        initialized = _finalize(base_model, base.loaded_keys, init_seed)
+    watch.lap("finalize")
+    adapter_report = None
+    if adapter_step is not None:
+        adapter_report = adapter_step.load()
+        watch.lap("adapter")
+
+    return model, _report(base, initialized, loader=loader, planner=planner, reader=reader, seconds=watch.seconds,
+                          parallelize=parallelize, adapter=adapter_report)
+
+
+# -- the stages ----------------------------------------------------------------------------------
+
+
+class _Stopwatch:
+    """The wall time of each stage, from the end of the one before (so the stages add up)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._clock = time.perf_counter()
+
+    def lap(self, stage: str) -> None:
+        now = time.perf_counter()
+        self.seconds[stage] = now - self._clock
+        self._clock = now
+
+
+@dataclass
+class _AdapterStep:
+    """``adapter=`` through one call: the config, read before the model is built (a bad adapter
+    fails first), and the PEFT model once the config is applied. Not frozen: the model appears in
+    the middle of the parallelization (``TransformersPlans``' ``before_fsdp``)."""
+
+    path: str | os.PathLike
+    config: Any
+    storage_options: Mapping[str, Any] | None
+    model: nn.Module | None = None
+
+    def add(self, base: nn.Module) -> None:
+        from hp_dcp_hf.integrations.peft import wrap_with_adapter
+
+        self.model = wrap_with_adapter(base, self.config)
+
+    def load(self) -> LoadReport:
+        """The adapter's load; a frozen one puts the model in ``eval()``, as peft's does."""
+        from hp_dcp_hf.integrations.peft import load_peft_adapter
+
+        logger.info("loading the adapter %s", self.path)
+        return load_peft_adapter(self.model, self.path, storage_options=self.storage_options)
+
+
+def _read_adapter(adapter: str | os.PathLike | None, is_trainable: bool,
+                  storage_options: Mapping[str, Any] | None) -> _AdapterStep | None:
+    """``adapter=``'s step, its config read first (a bad adapter fails before anything is built);
+    ``None`` without one."""
+    if adapter is None:
+        if is_trainable:
+            raise ArgumentError("is_trainable= says whether the adapter trains: pass adapter= too")
+        return None
+    from hp_dcp_hf.integrations.peft import read_adapter_config
+
+    return _AdapterStep(adapter, read_adapter_config(adapter, storage_options, is_trainable=is_trainable),
+                        storage_options)
+
+
+def _parallelization(distributed_config: Any, parallelize: Callable[[nn.Module], nn.Module | None] | None,
+                     adapter: _AdapterStep | None) -> Callable[[nn.Module], nn.Module | None] | None:
+    """``parallelize=`` as given, or transformers' plans for ``distributed_config=``, which add the
+    adapter between TP / EP and FSDP."""
+    if distributed_config is None:
+        return parallelize
+    if parallelize is not None:
+        raise ValueError("pass distributed_config= or parallelize=, not both")
+    from hp_dcp_hf.parallel import TransformersPlans
+
+    return TransformersPlans(distributed_config, before_fsdp=adapter.add if adapter is not None else None)
+
+
+def _skeleton(path_or_repo: str, reader: HFStorageReader, config: Any, model_cls: type[nn.Module] | None,
+              dtype: DtypeSpec, model_kwargs: Mapping[str, Any] | None) -> nn.Module:
+    """Stage 1: the config (``config.json`` unless given), the class, the dtype; the model on meta."""
     if config is None:
         logger.info("reading the config of %s", path_or_repo)
         config = read_config(path_or_repo, reader.storage_options)
@@ -227,45 +274,82 @@ def from_pretrained(
     check_architecture(config, model_cls)
     dtype = resolve_dtype(dtype, config, lambda: _checkpoint_dtypes(reader))
     logger.info("building %s (%s) on the meta device", model_cls.__name__, dtype)
-    model = build_skeleton(config, model_cls, dtype=dtype, model_kwargs=model_kwargs)
-    mapping = list(weights_mapping) if weights_mapping is not None else checkpoint_mapping(model)
-    lap("skeleton")
+    return build_skeleton(config, model_cls, dtype=dtype, model_kwargs=model_kwargs)
+
+
+def _checkpoint_dtypes(reader: HFStorageReader) -> Iterable[torch.dtype]:
+    return (md.properties.dtype for md in reader.read_metadata().state_dict_metadata.values())
+
+
+def _rewrite(model: nn.Module, transforms: Sequence[Transform]) -> nn.Module:
+    """Stage 2a: the transforms in order (:func:`apply_transforms`), named in the log."""
     if transforms:
         logger.info("rewriting: %s", ", ".join(getattr(t, "__name__", str(t)) for t in transforms))
-    model = apply_transforms(model, transforms)
-    lap("transforms")
+    return apply_transforms(model, transforms)
+
+
+def resolve_transform(transform: Transform) -> Callable[[nn.Module], nn.Module | None]:
+    """A rewrite: a callable, or the name of one in :mod:`hp_dcp_hf.transforms` (``"fuse_qkv"``)."""
+    if callable(transform):
+        return transform
+    from hp_dcp_hf import transforms
+
+    fn = getattr(transforms, str(transform), None)
+    if not callable(fn) or str(transform).startswith("_") or isinstance(fn, type):
+        known = ", ".join(n for n in getattr(transforms, "__all__", ()) if n[:1].islower())
+        raise PipelineError(f"unknown transform {transform!r}; known: {known}")
+    return fn
+
+
+def apply_transforms(model: nn.Module, transforms: Iterable[Transform]) -> nn.Module:
+    """Stage 2a: run every rewrite in order (each records its weight-mapping stage)."""
+    for transform in transforms:
+        out = resolve_transform(transform)(model)
+        model = out if isinstance(out, nn.Module) else model
+    return model
+
+
+def _parallelize(model: nn.Module, parallelize: Callable[[nn.Module], nn.Module | None] | None,
+                 adapter: _AdapterStep | None) -> nn.Module:
+    """Stage 2b: the parallelization, then the adapter if the parallelization did not add it (after
+    ``parallelize=``, or with none: refused on a model ``fully_shard`` sharded already). Returns the
+    model to load into: the PEFT model with ``adapter=``."""
     if parallelize is not None:
         logger.info("parallelizing")
         out = parallelize(model)
         model = out if isinstance(out, nn.Module) else model
-    if adapter is not None and not adapted:
-        add_adapter(model)  # after parallelize= (or none): refused on a model fully_shard sharded already
-    lap("parallelize")
-    logger.info("allocating the local shards on %s", device)
-    materialize(adapted[0] if adapted else model, device)
-    lap("materialize")
-    if adapted:
-        from hp_dcp_hf.integrations.peft import base_model_tree
-    with base_model_tree(adapted[0]) if adapted else contextlib.nullcontext(model) as model:
-        retie(model)  # the base's tied names: the PEFT model's tree hides them
-        planner = planner_cls(model, weights_mapping=mapping, strict=strict, unexpected=unexpected,
-                              trace=loader == "dcp")
-        base = load_hf_checkpoint(model, path_or_repo, loader=loader, reader=reader, planner=planner)
-        lap("load")
-        seconds.update(base.seconds)
-        initialized = finalize(model, base.loaded_keys, seed=init_seed)
-        retie(model)
-        model.eval()  # the base; the adapter's layers as peft leaves them
-    lap("finalize")
-    adapter_report = None
-    if adapted:
-        from hp_dcp_hf.integrations.peft import load_peft_adapter
+    if adapter is None:
+        return model
+    if adapter.model is None:
+        adapter.add(model)
+    return adapter.model
 
-        logger.info("loading the adapter %s", adapter)
-        model = adapted[0]
-        adapter_report = load_peft_adapter(model, adapter, storage_options=adapter_options)  # a frozen one puts the model in eval(), as peft's
-        lap("adapter")
-    report = PretrainedLoadReport(
+
+def _base_tree(model: nn.Module, adapter: _AdapterStep | None) -> contextlib.AbstractContextManager[nn.Module]:
+    """What the base checkpoint loads into: the model, or the PEFT model's base with the module tree
+    it had before peft (:func:`~hp_dcp_hf.integrations.peft.base_model_tree`)."""
+    if adapter is None:
+        return contextlib.nullcontext(model)
+    from hp_dcp_hf.integrations.peft import base_model_tree
+
+    return base_model_tree(model)
+
+
+def _finalize(model: nn.Module, loaded_keys: Iterable[str], init_seed: int | None) -> tuple[str, ...]:
+    """Stage 3c: the model's own init of what the checkpoint did not fill, ties, ``eval()``; returns
+    what the init filled."""
+    initialized = finalize(model, loaded_keys, seed=init_seed)
+    retie(model)
+    model.eval()  # the base; the adapter's layers as peft leaves them
+    return initialized
+
+
+def _report(base: LoadReport, initialized: tuple[str, ...], *, loader: Loader, planner: HFMappingPlanner,
+            reader: HFStorageReader, seconds: dict[str, float], parallelize: Any,
+            adapter: LoadReport | None) -> PretrainedLoadReport:
+    """The base load's report and what this call adds: what the init filled, this rank's plan and
+    reads, each stage's time, the parallelization's lines, the adapter's load."""
+    return PretrainedLoadReport(
         base.loaded_keys,
         base.missing_keys,
         base.unexpected_keys,
@@ -276,6 +360,5 @@ def from_pretrained(
         seconds=seconds,
         layout=tuple(getattr(parallelize, "applied", ())),
         unsharded=tuple(getattr(parallelize, "unsharded", ())),
-        adapter=adapter_report,
+        adapter=adapter,
     )
-    return model, report
