@@ -39,8 +39,8 @@ from hp_dcp_hf.quant.encode import (
     fp8_config,
     fp8_scales,
     quantize_box,
-    whole_blocks,
 )
+from hp_dcp_hf.quant.grid import whole_blocks
 from tests.support.families import (
     build_family_model,
     family_model_class,

@@ -27,18 +27,18 @@ from transformers.core_model_loading import WeightTransform
 from hp_dcp_hf.errors import (
     ArgumentError,
     LayoutError,
-    MappingError,
     MissingKeysError,
     PlanningError,
     UnexpectedKeysError,
 )
 from hp_dcp_hf.geometry.box import Box
-from hp_dcp_hf.geometry.shards import ShardPiece, global_numel, global_shape, local_shard_pieces, local_tensor
-from hp_dcp_hf.mapping.blocks import LocalView, ReadBlock, read_blocks
+from hp_dcp_hf.geometry.shards import ShardPiece, global_numel, local_shard_pieces, local_tensor
+from hp_dcp_hf.mapping.blocks import LocalView, ReadBlock, local_blocks
 from hp_dcp_hf.mapping.compose import Composition, Opaque, TensorSpec
 from hp_dcp_hf.mapping.families import natural_sorted
-from hp_dcp_hf.mapping.stages import model_stages, record_checkpoint_mapping, recorded_source_shapes
-from hp_dcp_hf.model.state import alias_groups
+from hp_dcp_hf.mapping.stages import record_checkpoint_mapping
+from hp_dcp_hf.planning.composition import compose
+from hp_dcp_hf.planning.targets import refuse, shape_problem, tied_targets
 from hp_dcp_hf.quant.decode import (
     BlockScaled,
     QuantizedTensor,
@@ -305,31 +305,15 @@ class HFMappingPlanner(LoadPlanner):
         unknown = self.external_target_fqns - set(state_dict)
         if unknown:
             raise PlanningError(f"external targets absent from the model: {natural_sorted(unknown)}")
-        aliases = alias_groups(self.model, [n for n in state_dict if n not in self.external_target_fqns])
-        wanted = {name for name in state_dict if name not in self.external_target_fqns}
-        composition = self.composition or Composition(
-            model_stages(self.model, self.weights_mapping),
-            sources,
-            wanted,
-            stage_shapes=[{}, *recorded_source_shapes(self.model)],
-            model=self.model,
-            config=self.config,
-            base_model_prefix=getattr(self.model, "base_model_prefix", None),
-            trace=self.trace,
-            share_structure=self.share_structure,
+        wanted = [name for name in state_dict if name not in self.external_target_fqns]
+        composition = self.composition or compose(
+            self.model, sources, set(wanted), weights_mapping=self.weights_mapping, config=self.config,
+            trace=self.trace, share_structure=self.share_structure,
         )
         self.composition = composition
-
-        fill: list[str] = []  # one made name per alias group: writing it writes every alias
-        loaded, missing = set(), set()
-        for group in aliases:
-            made = [n for n in group if n in composition.traced]
-            if made:
-                fill.append(made[0])
-                loaded.update(group)
-            else:
-                missing.update(group)
-        self.filled = natural_sorted(fill)
+        targets = tied_targets(self.model, wanted, composition.traced)
+        fill = self.filled = targets.names  # writing one name of a tied group writes every alias
+        missing = {name for group in targets.unmade for name in group}
         self._validate(composition, state_dict, fill, sources)
         if missing and self.strict:
             raise MissingKeysError(f"the checkpoint makes no value for {len(missing)} model tensors: "
@@ -340,7 +324,7 @@ class HFMappingPlanner(LoadPlanner):
         if self.reported_unexpected and self.unexpected == "raise":
             raise UnexpectedKeysError(f"{len(self.reported_unexpected)} checkpoint tensors make no model tensor "
                                       f"(unexpected='raise'): {describe_keys(self.reported_unexpected)}")
-        self.report = LoadReport(natural_sorted(loaded), natural_sorted(missing), unused)
+        self.report = LoadReport(targets.covered, natural_sorted(missing), unused)
         items = self._make_items(composition, state_dict, fill, stored, sources)
         if isinstance(self.model, nn.Module):
             self.model._weight_conversions = composition.used_transforms
@@ -389,26 +373,25 @@ class HFMappingPlanner(LoadPlanner):
                     f"covering it ({scale} holds {scale_boxes}): shard the scales with the weight's "
                     "block borders, or replicate them", key=name)
 
-    def _validate(self, composition: Composition, state_dict, fill: Sequence[str], sources) -> None:
+    @staticmethod
+    def _validate(composition: Composition, state_dict, fill: Sequence[str], sources) -> None:
         problems = []
         for target in fill:
             tensor = state_dict[target]
             traced = composition.traced[target]
-            if tuple(traced.shape) != global_shape(tensor):
-                problems.append(f"{target}: model expects {global_shape(tensor)}, checkpoint makes "
-                                f"{tuple(traced.shape)} from {sorted(traced.source_keys())}")
+            shape = shape_problem(tensor, traced)
+            if shape is not None:
+                problems.append((target, shape))
                 continue
             keys = traced.source_keys()
             for dtype in {sources[key].dtype for key in keys}:  # per dtype: an MoE layer has thousands of keys
                 if not _castable(dtype, tensor.dtype):
                     key = min(k for k in keys if sources[k].dtype == dtype)
-                    problems.append(f"{target}: cannot cast {key} ({dtype}) to {tensor.dtype}")
+                    problems.append((target, f"cannot cast {key} ({dtype}) to {tensor.dtype}"))
             if not isinstance(traced, Opaque) and traced.structure.covered != global_numel(tensor):
-                problems.append(f"{target}: the conversion covers {traced.structure.covered} "
-                                f"of {global_numel(tensor)} elements")
-        if problems:
-            raise MappingError(f"{len(problems)} model tensors do not match the checkpoint:\n  "
-                               + "\n  ".join(problems))
+                problems.append((target, f"the conversion covers {traced.structure.covered} "
+                                         f"of {global_numel(tensor)} elements"))
+        refuse(problems, "model tensors do not match the checkpoint")
 
     def _make_items(self, composition: Composition, state_dict, fill, stored, sources) -> list[ReadItem]:
         """This rank's items. ``sources`` are the tensors the conversions see (quantized ones as
@@ -442,27 +425,25 @@ class HFMappingPlanner(LoadPlanner):
                         stats.deferred_bytes += nbytes
                         stats.bytes_by_key[part] = stats.bytes_by_key.get(part, 0) + nbytes
                 continue
-            local = local_tensor(tensor)
-            for piece in pieces:
-                for block in read_blocks(traced, piece.global_box, piece.local_offsets):
-                    if block.key in self.quantized:
-                        data, *scales = self._dequantization_items(target, local, block)
-                        for item in (data, *scales):
-                            key = item.storage_index.fqn
-                            nbytes = math.prod(item.lengths) * stored[key].dtype.itemsize
-                            stats.bytes_by_key[key] = stats.bytes_by_key.get(key, 0) + nbytes
-                            if item is data:
-                                stats.quantized_bytes += nbytes
-                            else:
-                                stats.scale_bytes += nbytes
-                            items.append(item)
-                        continue
-                    item = self._item(target, block.origin, block.key, block.source_box.offsets,
-                                      torch.Size(block.source_box.sizes))
-                    self._destinations[item] = LocalView.of(local, block)
-                    items.append(item)
-                    nbytes = block.numel * stored[block.key].dtype.itemsize
-                    stats.bytes_by_key[block.key] = stats.bytes_by_key.get(block.key, 0) + nbytes
+            for block, view in local_blocks(traced, local_tensor(tensor), pieces):
+                if block.key in self.quantized:
+                    data, *scales = self._dequantization_items(target, view, block)
+                    for item in (data, *scales):
+                        key = item.storage_index.fqn
+                        nbytes = math.prod(item.lengths) * stored[key].dtype.itemsize
+                        stats.bytes_by_key[key] = stats.bytes_by_key.get(key, 0) + nbytes
+                        if item is data:
+                            stats.quantized_bytes += nbytes
+                        else:
+                            stats.scale_bytes += nbytes
+                        items.append(item)
+                    continue
+                item = self._item(target, block.origin, block.key, block.source_box.offsets,
+                                  torch.Size(block.source_box.sizes))
+                self._destinations[item] = view
+                items.append(item)
+                nbytes = block.numel * stored[block.key].dtype.itemsize
+                stats.bytes_by_key[block.key] = stats.bytes_by_key.get(block.key, 0) + nbytes
         stats.read_items = len(items)
         stats.bytes_needed = sum(stats.bytes_by_key.values())
         self.stats = stats
@@ -471,7 +452,7 @@ class HFMappingPlanner(LoadPlanner):
                            "and converted in memory", stats.deferred_targets, stats.deferred_bytes)
         return items
 
-    def _dequantization_items(self, target: str, local: torch.Tensor, block: ReadBlock) -> list[ReadItem]:
+    def _dequantization_items(self, target: str, destination: LocalView, block: ReadBlock) -> list[ReadItem]:
         """The checkpoint boxes that make ``block`` of a quantized tensor (its quantized bytes
         first), items of one :class:`_Dequantization` (their destinations are raw buffers, see
         ``resolve_tensor``)."""
@@ -479,8 +460,7 @@ class HFMappingPlanner(LoadPlanner):
         reads = tensor.reads(block.source_box)
         items = [self._item(_QUANTIZED_PREFIX + target, block.origin, key, box.offsets, torch.Size(box.sizes))
                  for key, box in reads]
-        dequantization = _Dequantization(target, LocalView.of(local, block), tensor, block.source_box,
-                                         len(items))
+        dequantization = _Dequantization(target, destination, tensor, block.source_box, len(items))
         for item in items:
             self._dequantizations[item] = dequantization
         return items

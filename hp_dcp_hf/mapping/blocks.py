@@ -3,12 +3,13 @@ fills on load (and is written from on save)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 import torch
 
 from hp_dcp_hf.geometry.box import Box
+from hp_dcp_hf.geometry.shards import ShardPiece
 from hp_dcp_hf.mapping.structure import Bound, Structure, slot_of
 from hp_dcp_hf.mapping.symbolic import Axis, Piece, restrict
 
@@ -110,3 +111,11 @@ class LocalView:
 
     def view(self) -> torch.Tensor:
         return self.tensor.as_strided(self.sizes, self.strides, self.offset)
+
+
+def local_blocks(traced: Bound, local: torch.Tensor, pieces: Iterable[ShardPiece]) -> Iterator[tuple[ReadBlock, LocalView]]:
+    """Each block of the checkpoint that the shard ``pieces`` of a model tensor hold, with the view
+    of the local shard ``local`` it fills on load and is written from on save."""
+    for piece in pieces:
+        for block in read_blocks(traced, piece.global_box, piece.local_offsets):
+            yield block, LocalView.of(local, block)

@@ -51,3 +51,9 @@ def resolve_dtype(spec: DtypeSpec, config: Any, checkpoint_dtypes: Callable[[], 
     if configured is not None:
         return parse_dtype(configured)
     return next((d for d in checkpoint_dtypes() if buildable(d)), torch.get_default_dtype())
+
+
+def model_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype ``save_pretrained`` names a model by: its first floating-point parameter's
+    (float32 for a model without one)."""
+    return next((p.dtype for p in model.parameters() if p.dtype.is_floating_point), torch.float32)

@@ -12,16 +12,7 @@ from torch.distributed.tensor import DTensor
 
 from hp_dcp_hf.errors import PlanningError
 from hp_dcp_hf.geometry.shards import local_shard_pieces, local_tensor
-
-
-def _named_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    return [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
-
-
-def _tie_groups(model: nn.Module) -> list[tuple[str, str]]:
-    """``(tied, source)`` name pairs transformers declares (``all_tied_weights_keys``)."""
-    pairs = getattr(model, "all_tied_weights_keys", None) or {}
-    return [(a, b) for a, b in pairs.items() if isinstance(a, str) and isinstance(b, str)]
+from hp_dcp_hf.model.state import declared_ties, named_tensors
 
 
 def materialize(model: nn.Module, device: str | torch.device = "cpu") -> nn.Module:
@@ -34,7 +25,7 @@ def materialize(model: nn.Module, device: str | torch.device = "cpu") -> nn.Modu
 def retie(model: nn.Module) -> bool:
     """Re-tie declared tied weights that are no longer the same tensor; True when it had to."""
     broken = False
-    for tied, source in _tie_groups(model):
+    for tied, source in declared_ties(model):
         try:
             if model.get_parameter(tied) is not model.get_parameter(source):
                 broken = True
@@ -43,7 +34,6 @@ def retie(model: nn.Module) -> bool:
     if broken and hasattr(model, "tie_weights"):
         model.tie_weights()
     return broken
-
 
 
 def _init_seed(seed: int | None) -> int:
@@ -86,7 +76,7 @@ def finalize(model: nn.Module, loaded_keys: Iterable[str], *, seed: int | None =
     """
     loaded = set(loaded_keys)
     by_id: dict[int, tuple[torch.Tensor, list[str]]] = {}
-    for name, tensor in _named_tensors(model):
+    for name, tensor in named_tensors(model):
         by_id.setdefault(id(tensor), (tensor, []))[1].append(name)
     pending: list[tuple[torch.Tensor, list[str]]] = []
     for tensor, names in by_id.values():

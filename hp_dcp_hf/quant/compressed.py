@@ -51,6 +51,7 @@ from transformers.utils import CONFIG_NAME as CONFIG_FILE
 from hp_dcp_hf.errors import QuantizationError
 from hp_dcp_hf.geometry.box import Box
 from hp_dcp_hf.mapping.compose import TensorSpec
+from hp_dcp_hf.quant.grid import covering_blocks, scale_grid
 
 QUANT_METHOD = "compressed-tensors"
 NAIVE = frozenset({"naive-quantized", "float-quantized", "int-quantized", "mxfp8-quantized"})
@@ -144,8 +145,8 @@ class CompressedWeight:
     def _spans(self, box: Box) -> tuple[int, int, int, int, tuple[int, int], tuple[int, int]]:
         """The box's rows and columns, and the scale rows and columns covering them."""
         (r0, c0), (nr, nc) = box.offsets, box.sizes
-        s0, s1 = r0 // self.grid[0], -(-(r0 + nr) // self.grid[0])
-        g0, g1 = c0 // self.grid[1], -(-(c0 + nc) // self.grid[1])
+        scales = covering_blocks(box, self.grid)
+        (s0, g0), (s1, g1) = scales.offsets, scales.ends
         return r0, nr, c0, nc, (s0, s1), (g0, g1)
 
     def reads(self, box: Box) -> tuple[tuple[str, Box], ...]:
@@ -410,10 +411,11 @@ def _grid(args, rows: int, cols: int, key: str) -> tuple[tuple[int, int], tuple[
     if strategy == "channel":
         return (1, cols), (rows, 1)
     if strategy in ("group", "tensor_group"):
-        return (1, args.group_size), (rows, -(-cols // args.group_size))
+        per = (1, args.group_size)
+        return per, scale_grid((rows, cols), per)
     if strategy == "block":
-        b0, b1 = args.block_structure
-        return (b0, b1), (-(-rows // b0), -(-cols // b1))
+        per = tuple(args.block_structure)
+        return per, scale_grid((rows, cols), per)
     raise QuantizationError(f"weights quantized per {strategy!r}: not a weight strategy", key=key)
 
 

@@ -38,6 +38,7 @@ from transformers.utils import CONFIG_NAME as _CONFIG_FILE
 from hp_dcp_hf.errors import QuantizationError
 from hp_dcp_hf.geometry.box import Box
 from hp_dcp_hf.mapping.compose import TensorSpec
+from hp_dcp_hf.quant.grid import SCALE_SUFFIX, bands, block_size, covering_blocks, scale_grid
 
 _FP8 = frozenset(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
                  if hasattr(torch, n))
@@ -85,15 +86,8 @@ class BlockScaled:
         return self.dequantize(parts[self.weight], parts[self.scale], box)
 
     def scale_box(self, box: Box) -> Box:
-        """The scale blocks that cover ``box`` of the weight: rows ``[a // b0, ceil(b / b0))``, same
-        for columns."""
-        lead = box.ndim - 2
-        offsets, sizes = list(box.offsets[:lead]), list(box.sizes[:lead])
-        for start, size, block in zip(box.offsets[lead:], box.sizes[lead:], self.block):
-            first, end = start // block, -(-(start + size) // block)
-            offsets.append(first)
-            sizes.append(end - first)
-        return Box(tuple(offsets), tuple(sizes))
+        """The scale blocks that cover ``box`` of the weight."""
+        return covering_blocks(box, self.block)
 
     def dequantize(self, weight: torch.Tensor, scale: torch.Tensor, box: Box) -> torch.Tensor:
         """float32 values of ``box`` from its quantized ``weight`` and the :meth:`scale_box` part of
@@ -108,24 +102,11 @@ class BlockScaled:
             values = values.clone()
         scales = scale_values(scale)
         lead = values.shape[:-2]
-        for r0, r1, s0, s1 in _bands(box.offsets[-2], box.sizes[-2], self.block[0]):
-            for c0, c1, t0, t1 in _bands(box.offsets[-1], box.sizes[-1], self.block[1]):
+        for r0, r1, s0, s1 in bands(box.offsets[-2], box.sizes[-2], self.block[0]):
+            for c0, c1, t0, t1 in bands(box.offsets[-1], box.sizes[-1], self.block[1]):
                 band = values[..., r0:r1, c0:c1].view(*lead, s1 - s0, (r1 - r0) // (s1 - s0), t1 - t0, (c1 - c0) // (t1 - t0))
                 band.mul_(scales[..., s0:s1, None, t0:t1, None])
         return values
-
-
-def _bands(start: int, size: int, block: int) -> list[tuple[int, int, int, int]]:
-    """``[start, start + size)`` cut at multiples of ``block``: ``(lo, hi, first scale, end scale)``
-    relative to ``start`` and to its first block, for a leading partial block, the whole blocks,
-    and a trailing partial block (each band holds whole blocks or one block)."""
-    end, first = start + size, start // block
-    cuts = sorted({start, min(end, -(-start // block) * block), max(start, end // block * block), end})
-    bands = []
-    for lo, hi in zip(cuts, cuts[1:]):
-        if hi > lo:
-            bands.append((lo - start, hi - start, lo // block - first, -(-hi // block) - first))
-    return bands
 
 
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -236,7 +217,7 @@ def quantized_tensors(
     scales, blocks without scales and a grid that does not fit its weight are errors, as is a
     ``quant_method`` other than block-scaled FP8, MXFP4 and compressed-tensors.
     """
-    from hp_dcp_hf.mapping import compressed
+    from hp_dcp_hf.quant import compressed
 
     if quantization_config.get("quant_method") == compressed.QUANT_METHOD:
         return compressed.compressed_tensors(quantization_config, sources)
@@ -256,12 +237,12 @@ def _block_scaled(
     quantizer, sources: Mapping[str, TensorSpec], renamings: list
 ) -> tuple[dict[str, QuantizedTensor], frozenset[str]]:
     (param, names), = quantizer.serialized_names.items()  # {"weight": [weight, weight_scale_inv, ...]}
-    scale_name = next(n for n in names if n.endswith("_scale_inv"))
+    scale_name = next(n for n in names if n.endswith(SCALE_SUFFIX))
     other_names = [n for n in names if n not in (param, scale_name)]
-    block = getattr(quantizer.quantization_config, "weight_block_size", None)
-    if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
-        raise QuantizationError(f"weight_block_size must be two positive ints, got {block!r}", file=_CONFIG_FILE)
-    block = (int(block[0]), int(block[1]))
+    configured = getattr(quantizer.quantization_config, "weight_block_size", None)
+    block = block_size(configured)
+    if block is None:
+        raise QuantizationError(f"weight_block_size must be two positive ints, got {configured!r}", file=_CONFIG_FILE)
     by_name = {_renamed(key, renamings): key for key in sources}
     found: dict[str, QuantizedTensor] = {}
     consumed: set[str] = set()
@@ -308,10 +289,9 @@ def uncovered_weight_boxes(weight_boxes: Sequence[Box], scale_boxes: Sequence[Bo
     """For a model that keeps a block-scaled weight with its scales (both sharded), the boxes of the
     weight this rank holds whose covering scale blocks it does not all hold: its layout cannot use
     the scales it would load."""
-    tensor = BlockScaled("", "", block)
     uncovered = []
     for box in weight_boxes:
-        need = tensor.scale_box(box)
+        need = covering_blocks(box, block)
         held = sum(part.numel for part in (need.intersect(s) for s in scale_boxes) if part is not None)
         if held != need.numel:
             uncovered.append(box)
@@ -321,7 +301,7 @@ def uncovered_weight_boxes(weight_boxes: Sequence[Box], scale_boxes: Sequence[Bo
 def _check_grid(key: str, weight: TensorSpec, scale_key: str, scale: TensorSpec, block: tuple[int, int]) -> None:
     if len(weight.shape) < 2:
         raise QuantizationError(f"a block-scaled weight needs 2 dims or more, has shape {weight.shape}", key=key)
-    grid = (*weight.shape[:-2], *(-(-size // b) for size, b in zip(weight.shape[-2:], block)))
+    grid = scale_grid(weight.shape, block)
     if tuple(scale.shape) != grid:
         raise QuantizationError(f"scale grid {tuple(scale.shape)} of {scale_key} does not fit weight "
                                 f"{tuple(weight.shape)} in blocks of {block} (expected {grid})", key=key)

@@ -44,7 +44,15 @@ from hp_dcp_hf.errors import ArgumentError
 from hp_dcp_hf.geometry.box import Box
 from hp_dcp_hf.geometry.shards import ShardPiece, shard_pieces
 from hp_dcp_hf.mapping.blocks import read_blocks
-from hp_dcp_hf.quant.decode import BlockScaled, _bands
+from hp_dcp_hf.quant.grid import (
+    bands,
+    block_size,
+    covering_blocks,
+    scale_grid,
+    scale_name,
+    starting_blocks,
+    whole_blocks,
+)
 from hp_dcp_hf.storage.write.destination import BoxWrite
 from hp_dcp_hf.util.collectives import collective_device
 
@@ -68,12 +76,6 @@ class CeilGrids:
     dtype, as transformers' quantizer keeps them."""
 
     quantize: Quantize = "fp8"
-
-
-def whole_blocks(shape: Sequence[int], block: Sequence[int]) -> bool:
-    """Whether ``Fp8Quantize`` quantizes a tensor of ``shape``: two dims or more, the last two
-    multiples of ``block``."""
-    return len(shape) >= 2 and shape[-2] % block[0] == 0 and shape[-1] % block[1] == 0
 
 
 def fp8_config(quantize: Quantize) -> Any:
@@ -113,9 +115,8 @@ def fp8_config(quantize: Quantize) -> Any:
     for name, (value, supported) in unsupported.items():
         if value != supported:
             raise ArgumentError(f"quantize=: {name}={value!r} is not written by this save (only {supported!r})")
-    block = config.weight_block_size
-    if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
-        raise ArgumentError(f"quantize=: weight_block_size must be two positive ints, got {block!r}")
+    if block_size(config.weight_block_size) is None:
+        raise ArgumentError(f"quantize=: weight_block_size must be two positive ints, got {config.weight_block_size!r}")
     return config
 
 
@@ -162,11 +163,6 @@ def fp8_conversion(skeleton: torch.nn.Module, config: Any, ceil_grids: bool = Fa
             set(quantizer.modules_to_not_convert) | {k.rpartition(".")[0] for k in kept})
     unwritten = sum(state[scale_name(k)].numel() for k in kept if scale_name(k) in state)
     return Fp8Conversion(frozenset(canonical), config, skeleton.num_parameters() - unwritten, ceil_grids)
-
-
-def scale_name(key: str) -> str:
-    """The scale tensor of quantized ``key``, named as ``Fp8Quantize`` names it."""
-    return key.removesuffix(".weight") + ".weight_scale_inv" if key.endswith(".weight") else key + "_scale_inv"
 
 
 def already_quantized(model: torch.nn.Module) -> str | None:
@@ -236,22 +232,15 @@ class Fp8Layout:
 
     def grid(self, key: str) -> tuple[int, ...]:
         """The ceil grid of ``key``'s scales (leading dims one to one)."""
-        return self.scale_box(Box.full(self.shapes[key])).sizes
+        return scale_grid(self.shapes[key], self.block)
 
     def scale_box(self, box: Box) -> Box:
         """The scale blocks covering ``box`` of a weight."""
-        return BlockScaled("", "", self.block).scale_box(box)
+        return covering_blocks(box, self.block)
 
     def owned_box(self, box: Box) -> Box | None:
         """The scale blocks whose first element lies in ``box``: the ones its writer writes."""
-        lead = box.ndim - 2
-        offsets, sizes = list(box.offsets[:lead]), list(box.sizes[:lead])
-        for start, size, block in zip(box.offsets[lead:], box.sizes[lead:], self.block):
-            first, end = -(-start // block), -(-(start + size) // block)
-            offsets.append(first)
-            sizes.append(end - first)
-        owned = Box(tuple(offsets), tuple(sizes))
-        return None if owned.is_empty() else owned
+        return starting_blocks(box, self.block)
 
     def ordered(self, specs: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         """``specs`` as the files get them: quantized weights in FP8, each scale (float32) after
@@ -356,11 +345,11 @@ def _layout_key(tensor: torch.Tensor) -> tuple:
 
 def _tiles(box: Box, block: tuple[int, int]) -> Iterator[tuple[tuple[int, ...], slice, int, list]]:
     """Walk ``box`` (of a weight) one block row at a time: per leading index, the rows of one
-    block row (relative to the box), its scale row and the column bands (``_bands``: relative to
+    block row (relative to the box), its scale row and the column bands (:func:`~hp_dcp_hf.quant.grid.bands`: relative to
     the box and to its first scale column), so memory stays one block row of the box."""
-    columns = _bands(box.offsets[-1], box.sizes[-1], block[1])
+    columns = bands(box.offsets[-1], box.sizes[-1], block[1])
     for lead in itertools.product(*map(range, box.sizes[:-2])):
-        for r0, r1, s0, s1 in _bands(box.offsets[-2], box.sizes[-2], block[0]):
+        for r0, r1, s0, s1 in bands(box.offsets[-2], box.sizes[-2], block[0]):
             height = (r1 - r0) // (s1 - s0)
             for k in range(s1 - s0):
                 yield lead, slice(r0 + k * height, r0 + (k + 1) * height), s0 + k, columns
@@ -377,7 +366,7 @@ def _float32(values: torch.Tensor, through: torch.dtype | None) -> torch.Tensor:
 def block_amax(values: torch.Tensor, box: Box, block: tuple[int, int], through: torch.dtype | None = None) -> torch.Tensor:
     """Per scale block covering ``box`` (``values`` holds that box of a weight), the amax of the
     elements of the block inside the box, in float32 (NaN where one is NaN, as ``amax``)."""
-    sizes = BlockScaled("", "", block).scale_box(box).sizes
+    sizes = covering_blocks(box, block).sizes
     amax = torch.empty(sizes, dtype=torch.float32)
     for lead, rows, scale_row, columns in _tiles(box, block):
         part = _float32(values[lead][rows], through).abs_()
@@ -421,7 +410,7 @@ class Fp8Box:
     def __getitem__(self, slices: tuple[slice, ...]) -> torch.Tensor:
         offsets = tuple(s.start for s in slices)
         part = Box(tuple(o + a for o, a in zip(self.box.offsets, offsets)), tuple(s.stop - s.start for s in slices))
-        mine, sub = BlockScaled("", "", self.block).scale_box(self.box), BlockScaled("", "", self.block).scale_box(part)
+        mine, sub = covering_blocks(self.box, self.block), covering_blocks(part, self.block)
         scale = self.scale[sub.relative_to(mine.offsets).slices()]
         return quantize_box(self.values[slices], part, self.block, scale, self.through)
 

@@ -58,18 +58,20 @@ from transformers.core_model_loading import WeightRenaming, WeightTransform, dot
 from hp_dcp_hf.errors import ArgumentError, LayoutError, MappingError, PlanningError
 from hp_dcp_hf.geometry.box import Box
 from hp_dcp_hf.geometry.replicas import ReplicaGroups
-from hp_dcp_hf.geometry.shards import global_shape, is_checkpointable, local_tensor
-from hp_dcp_hf.mapping.blocks import LocalView, read_blocks
+from hp_dcp_hf.geometry.shards import is_checkpointable, local_tensor
+from hp_dcp_hf.mapping.blocks import LocalView, local_blocks
 from hp_dcp_hf.mapping.compose import Composition, Opaque, TensorSpec
 from hp_dcp_hf.mapping.stages import (
-    model_stages,
     original_class,
     recorded_checkpoint_mapping,
-    recorded_source_shapes,
     recorded_stages,
 )
 from hp_dcp_hf.mapping.symbolic import Piece
+from hp_dcp_hf.model.dtype import model_dtype
+from hp_dcp_hf.model.skeleton import build_skeleton
 from hp_dcp_hf.model.state import alias_groups
+from hp_dcp_hf.planning.composition import compose
+from hp_dcp_hf.planning.targets import Targets, refuse, shape_problem, tied_targets
 from hp_dcp_hf.quant.encode import (
     FP8,
     SCALE_DTYPE,
@@ -80,10 +82,10 @@ from hp_dcp_hf.quant.encode import (
     already_quantized,
     fp8_config,
     fp8_conversion,
-    scale_name,
     scale_storage,
     split_blocks,
 )
+from hp_dcp_hf.quant.grid import scale_name
 from hp_dcp_hf.util.collectives import should_broadcast
 from hp_dcp_hf.util.perf import paused_gc
 
@@ -151,21 +153,16 @@ def saved_tensors(
 
         config, cls = hf_config, resolve_model_class(hf_config)
         weights_mapping = None  # the checkpoint is transformers' for the class: reverse its own mapping
-    dtype = next((p.dtype for p in model.parameters() if p.dtype.is_floating_point), torch.float32)
+    dtype = model_dtype(model)
     conversion = None
     if issubclass(cls, PreTrainedModel) and config is not None:
-        def build() -> PreTrainedModel:
-            with torch.device("meta"):
-                return cls._from_config(config, dtype=dtype)
-
-        skeleton = build()
-        skeleton.tie_weights()
+        skeleton = build_skeleton(config, cls, dtype=dtype)
         state = skeleton.state_dict()
         for key in getattr(skeleton, "_keys_to_ignore_on_save", None) or ():
             state.pop(key, None)
         state = remove_tied_weights_from_state_dict(state, skeleton)
         if quantize is not None:
-            conversion = fp8_conversion(build(), quantize, ceil_grids)
+            conversion = fp8_conversion(build_skeleton(config, cls, dtype=dtype), quantize, ceil_grids)
             state.update({key: state[key].to(FP8) for key in conversion.canonical if key in state})
         converting: Any = skeleton
     elif weights_mapping is None:
@@ -346,19 +343,10 @@ class HFSavePlanner(SavePlanner):
         mapping = self.weights_mapping if self.weights_mapping is not None else recorded_checkpoint_mapping(self.model)
         specs, storage, skeleton, quantized = saved_tensors(self.model, mapping, self.quantize, self.hf_config,
                                                            self.ceil_grids)
-        composition = Composition(
-            model_stages(self.model, mapping),
-            specs,
-            set(state_dict),
-            stage_shapes=[{}, *recorded_source_shapes(self.model)],
-            model=self.model,
-            config=getattr(self.model, "config", None),
-            base_model_prefix=getattr(self.model, "base_model_prefix", None),
-        )
-        # One name per tied group, the one the checkpoint makes (embed_tokens, not its lm_head alias)
-        groups = alias_groups(self.model, list(state_dict))
-        fill = sorted((next((n for n in g if n in composition.traced), g[0]) for g in groups), key=dot_natural_key)
-        self._check_inverse(composition, state_dict, fill, specs, others_elsewhere=self.pipeline_stage)
+        composition = compose(self.model, specs, set(state_dict), weights_mapping=mapping)
+        targets = tied_targets(self.model, list(state_dict), composition.traced)
+        fill = targets.names
+        self._check_inverse(composition, state_dict, targets, specs, others_elsewhere=self.pipeline_stage)
         items: list[WriteItem] = []
         self._views.clear()
         self.bytes_planned = 0
@@ -376,18 +364,17 @@ class HFSavePlanner(SavePlanner):
                     [(state_dict[target], composition.traced[target]) for target in fill], layout))
         for ordinal, target in enumerate(fill):
             tensor = state_dict[target]
-            local = local_tensor(tensor)
-            for piece in replicas.written_pieces(tensor, ordinal, target):
-                for block in read_blocks(composition.traced[target], piece.global_box, piece.local_offsets):
-                    fp8 = layout is not None and block.key in layout.shapes
-                    items.append(_write_item(block.key, block.source_box, FP8 if fp8 else specs[block.key].dtype,
-                                             specs[block.key].shape))
-                    self._views[items[-1].index] = LocalView.of(local, block)
-                    self.bytes_planned += block.numel * (FP8.itemsize if fp8 else tensor.dtype.itemsize)
-                    owned = layout.owned_box(block.source_box) if fp8 else None
-                    if owned is not None:  # the scales of the blocks this box starts
-                        items.append(_write_item(scale_name(block.key), owned, SCALE_DTYPE, layout.grid(block.key)))
-                        self.bytes_planned += owned.numel * SCALE_DTYPE.itemsize
+            pieces = replicas.written_pieces(tensor, ordinal, target)
+            for block, view in local_blocks(composition.traced[target], local_tensor(tensor), pieces):
+                fp8 = layout is not None and block.key in layout.shapes
+                items.append(_write_item(block.key, block.source_box, FP8 if fp8 else specs[block.key].dtype,
+                                         specs[block.key].shape))
+                self._views[items[-1].index] = view
+                self.bytes_planned += block.numel * (FP8.itemsize if fp8 else tensor.dtype.itemsize)
+                owned = layout.owned_box(block.source_box) if fp8 else None
+                if owned is not None:  # the scales of the blocks this box starts
+                    items.append(_write_item(scale_name(block.key), owned, SCALE_DTYPE, layout.grid(block.key)))
+                    self.bytes_planned += owned.numel * SCALE_DTYPE.itemsize
         tensors = {key: (spec.dtype, spec.shape) for key, spec in specs.items()}
         self._shapes = {key: tuple(shape) for key, (_, shape) in tensors.items()}
         if layout is not None:
@@ -400,7 +387,7 @@ class HFSavePlanner(SavePlanner):
             scale_storage(layout, storage) if layout is not None else storage,
             _configs(self.model if isinstance(self.model, PreTrainedModel) else skeleton)
             if self.is_coordinator and isinstance(skeleton, PreTrainedModel) else {},
-            next((p.dtype for p in self.model.parameters() if p.dtype.is_floating_point), torch.float32),
+            model_dtype(self.model),
             (original_class(skeleton if isinstance(skeleton, PreTrainedModel) else self.model).__name__,),
             metadata,
             layout,
@@ -408,24 +395,21 @@ class HFSavePlanner(SavePlanner):
         return items, request
 
     @staticmethod
-    def _check_inverse(composition: Composition, state_dict, fill: Sequence[str], specs, *,
+    def _check_inverse(composition: Composition, state_dict, targets: Targets, specs, *,
                        others_elsewhere: bool = False) -> None:
         """Loading the checkpoint makes every model tensor, in its shape, and every checkpoint element
         is one element of one model tensor: then writing each model element where the load reads it
         from writes every checkpoint byte once, and nothing else. ``others_elsewhere`` (a pipeline
         stage): a checkpoint tensor none of whose elements this model holds is another stage's."""
-        problems: list[tuple[str, str]] = []
+        problems = [(group[0], "no checkpoint tensor the mapping reverses to maps to it") for group in targets.unmade]
         pieces: dict[str, list[Piece]] = {key: [] for key in specs}
-        for target in fill:
-            traced = composition.traced.get(target)
-            if traced is None:
-                problems.append((target, "no checkpoint tensor the mapping reverses to maps to it"))
-            elif isinstance(traced, Opaque):
+        for target in targets.names:
+            traced = composition.traced[target]
+            if isinstance(traced, Opaque):
                 problems.append((target, f"made by a conversion that cannot be traced, so it cannot be inverted "
                                          f"exactly (from {sorted(traced.sources)})"))
-            elif tuple(traced.shape) != global_shape(state_dict[target]):
-                problems.append((target, f"the model holds {global_shape(state_dict[target])}, the checkpoint "
-                                         f"makes {tuple(traced.shape)}"))
+            elif (shape := shape_problem(state_dict[target], traced)) is not None:
+                problems.append((target, shape))
             else:
                 for piece in traced.pieces:
                     pieces[piece.key].append(piece)
@@ -438,9 +422,7 @@ class HFSavePlanner(SavePlanner):
                 problems.append((key, f"{n} of its {numel} elements come from the model"))
             elif _claimed_twice(claimed, specs[key].shape):
                 problems.append((key, "some of its elements make several model elements, others none"))
-        if problems:
-            raise MappingError(f"{len(problems)} tensors cannot be written back exactly:\n  "
-                               + "\n  ".join(f"{name}: {why}" for name, why in problems), key=problems[0][0])
+        refuse(problems, "tensors cannot be written back exactly")
 
 
 def _write_item(key: str, box: Box, dtype: torch.dtype, shape: Sequence[int]) -> WriteItem:
