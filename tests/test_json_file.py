@@ -12,6 +12,7 @@ import pytest
 from hp_dcp_hf.errors import CheckpointFormatError, CheckpointNotFoundError
 from hp_dcp_hf.storage import ReadStats, filesystem, locate
 from hp_dcp_hf.storage.format.json_file import read_json
+from tests.support.servers.range_server import StaticRangeServer
 
 NAME = "config.json"
 
@@ -86,3 +87,23 @@ def test_a_remote_file_is_named_by_its_url() -> None:
     with pytest.raises(CheckpointNotFoundError) as info:
         read_json(location, "adapter_config.json", cap=1000)
     assert info.value.file == f"{root}/adapter_config.json"
+
+
+def test_over_http_one_head_and_one_ranged_get_and_errors_name_the_url(tmp_path: Path) -> None:
+    """Each caller's file (config.json, adapter_config.json) costs a HEAD (its size) and one ranged
+    GET; a missing one is one HEAD and names its URL with the caller's reason."""
+    from hp_dcp_hf.integrations.peft import read_adapter_config
+    from hp_dcp_hf.model.config import read_config
+    from tests.support.models import tiny_config
+
+    tiny_config("llama").save_pretrained(tmp_path / "base")
+    (tmp_path / "adapter").mkdir()
+    with StaticRangeServer(tmp_path) as server:
+        assert read_config(f"{server.url}/base").model_type == "llama"
+        assert [(r.method, r.path) for r in server.log] == [("HEAD", "/base/config.json"), ("GET", "/base/config.json")]
+        server.reset()
+        with pytest.raises(CheckpointNotFoundError) as info:
+            read_adapter_config(f"{server.url}/adapter")
+        assert info.value.file == f"{server.url}/adapter/adapter_config.json"
+        assert "peft's save_pretrained writes it" in info.value.reason
+        assert [(r.method, r.path) for r in server.log] == [("HEAD", "/adapter/adapter_config.json")]
