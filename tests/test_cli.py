@@ -287,13 +287,13 @@ def test_errors_are_one_line(capsys, llama, argv, words):
 @pytest.mark.parametrize("path", ["./nope", "../nope", "nope", "a/b/c", "~/hp-dcp-hf-nope", "/nonexistent/x",
                                   "nope.safetensors", "org/model.safetensors"])
 def test_missing_local_path_says_so_and_never_asks_the_hub(capsys, tmp_path, monkeypatch, path):
-    from hp_dcp_hf.storage.transport import remote
+    from hp_dcp_hf.storage.transport import hub
 
     def no_hub(*args, **kwargs):
         raise AssertionError(f"{path!r} went to the Hub")
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(remote.HubBackend, "__init__", no_hub)
+    monkeypatch.setattr(hub.HubBackend, "__init__", no_hub)
     code, out, err = _run_cli(capsys, "inspect", path)
     assert code == 1 and out == ""
     assert err.count("\n") == 1 and "does not exist locally" in err, err

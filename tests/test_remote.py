@@ -28,8 +28,10 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadIte
 from hp_dcp_hf import HFMappingPlanner, HFStorageReader, load_hf_checkpoint
 from hp_dcp_hf.errors import CheckpointFormatError, CheckpointNotFoundError, StorageReadError
 from hp_dcp_hf.storage.format.catalog import INDEX_FILE
+from hp_dcp_hf.storage.transport.backend import RetryPolicy
+from hp_dcp_hf.storage.transport.http_backend import HttpBackend
+from hp_dcp_hf.storage.transport.hub import HubBackend
 from hp_dcp_hf.storage.transport.location import FsspecBackend, filesystem, locate
-from hp_dcp_hf.storage.transport.remote import HttpBackend, HubBackend, RetryPolicy
 from hp_dcp_hf.storage.transport.s3 import S3Backend, client_settings
 from tests.support.models import model_class, tiny_config
 from tests.support.servers.fake_hub import FakeHub

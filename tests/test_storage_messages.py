@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 from hp_dcp_hf import HFStorageReader
 from hp_dcp_hf.errors import CheckpointFormatError, CheckpointNotFoundError, UnsafeCheckpointError
 from hp_dcp_hf.storage.format.catalog import INDEX_FILE
-from hp_dcp_hf.storage.transport.remote import UnreachableError
+from hp_dcp_hf.storage.transport.backend import UnreachableError
 from hp_dcp_hf.tools.launch import free_port
 from tests.support.servers.s3 import MotoS3
 

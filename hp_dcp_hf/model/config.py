@@ -3,22 +3,16 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from typing import Any
 
 from torch import nn
 
-from hp_dcp_hf.errors import (
-    ArchitectureMismatchError,
-    CheckpointFormatError,
-    CheckpointNotFoundError,
-    PipelineError,
-)
+from hp_dcp_hf.errors import ArchitectureMismatchError, CheckpointFormatError, PipelineError
 from hp_dcp_hf.storage import filesystem, locate
+from hp_dcp_hf.storage.format.catalog import CONFIG_FILE
 from hp_dcp_hf.storage.format.header import MAX_HEADER_BYTES
-
-CONFIG_FILE = "config.json"
+from hp_dcp_hf.storage.format.json_file import read_json
 
 
 def read_config(path: str, storage_options: Mapping[str, Any] | None = None):
@@ -29,20 +23,9 @@ def read_config(path: str, storage_options: Mapping[str, Any] | None = None):
     from transformers import CONFIG_MAPPING
 
     location, _ = locate(*filesystem(path, storage_options))
-    if not location.exists(CONFIG_FILE):
-        raise CheckpointNotFoundError(
-            "the checkpoint has no config.json; pass from_pretrained(..., config=<a PretrainedConfig>)", file=location.path(CONFIG_FILE)
-        )
-    size = location.size(CONFIG_FILE)
-    if size > MAX_HEADER_BYTES:
-        raise CheckpointFormatError(f"{size} bytes exceeds the {MAX_HEADER_BYTES}-byte cap", file=CONFIG_FILE)
-    with location.open(CONFIG_FILE) as handle:
-        raw = handle.read(0, size)
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointFormatError(f"not JSON: {e}", file=CONFIG_FILE) from None
-    if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
+    data = read_json(location, CONFIG_FILE, cap=MAX_HEADER_BYTES, missing=(
+        "the checkpoint has no config.json; pass from_pretrained(..., config=<a PretrainedConfig>)"))
+    if not isinstance(data.get("model_type"), str):
         raise CheckpointFormatError("config.json has no model_type", file=CONFIG_FILE)
     if data["model_type"] not in CONFIG_MAPPING:
         raise CheckpointFormatError(

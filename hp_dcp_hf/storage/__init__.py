@@ -44,8 +44,8 @@ if TYPE_CHECKING:
     )
     from hp_dcp_hf.storage.format.ranges import Piece, Request, box_byte_ranges, coalesce, split_box
     from hp_dcp_hf.storage.read.reader import HFStorageReader
+    from hp_dcp_hf.storage.transport.backend import RetryPolicy
     from hp_dcp_hf.storage.transport.location import CheckpointLocation, RangeFile, filesystem, locate
-    from hp_dcp_hf.storage.transport.remote import RetryPolicy
     from hp_dcp_hf.storage.transport.stats import FileStats, ReadStats
     from hp_dcp_hf.storage.write.writer import HFStorageWriter
 
@@ -104,7 +104,7 @@ _LAZY = {
     "RangeFile": "hp_dcp_hf.storage.transport.location",
     "filesystem": "hp_dcp_hf.storage.transport.location",
     "locate": "hp_dcp_hf.storage.transport.location",
-    "RetryPolicy": "hp_dcp_hf.storage.transport.remote",
+    "RetryPolicy": "hp_dcp_hf.storage.transport.backend",
     "FileStats": "hp_dcp_hf.storage.transport.stats",
     "ReadStats": "hp_dcp_hf.storage.transport.stats",
     "HFStorageReader": "hp_dcp_hf.storage.read.reader",

@@ -18,10 +18,10 @@ from hp_dcp_hf.errors import (
     ArchitectureMismatchError,
     ArgumentError,
     CheckpointFormatError,
-    CheckpointNotFoundError,
 )
 from hp_dcp_hf.storage import filesystem, locate
 from hp_dcp_hf.storage.format.header import MAX_HEADER_BYTES
+from hp_dcp_hf.storage.format.json_file import read_json
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"  # peft.utils.constants.SAFETENSORS_WEIGHTS_NAME
 ADAPTER_CONFIG = "adapter_config.json"  # peft.utils.constants.CONFIG_NAME
@@ -70,25 +70,14 @@ def read_adapter_config(path: str | os.PathLike, storage_options: Mapping[str, A
     location, single = locate(*filesystem(os.fspath(path), storage_options))
     if single is not None:
         raise ArgumentError(f"pass the adapter's directory, not the file {single!r}", file=os.fspath(path))
-    if not location.exists(ADAPTER_CONFIG):
-        raise CheckpointNotFoundError("the adapter has no adapter_config.json (peft's save_pretrained writes it "
-                                      "next to adapter_model.safetensors)", file=location.url(ADAPTER_CONFIG))
-    size = location.size(ADAPTER_CONFIG)
-    if size > MAX_HEADER_BYTES:
-        raise CheckpointFormatError(f"{size} bytes exceeds the {MAX_HEADER_BYTES}-byte cap",
-                                    file=location.url(ADAPTER_CONFIG))
-    with location.open(ADAPTER_CONFIG) as handle:
-        raw = handle.read(0, size)
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointFormatError(f"not JSON: {e}", file=location.url(ADAPTER_CONFIG)) from None
-    if not isinstance(data, dict) or "peft_type" not in data:
+    data = read_json(location, ADAPTER_CONFIG, cap=MAX_HEADER_BYTES, missing=(
+        "the adapter has no adapter_config.json (peft's save_pretrained writes it next to adapter_model.safetensors)"))
+    if "peft_type" not in data:
         raise CheckpointFormatError("no peft_type: not a PEFT adapter config", file=location.url(ADAPTER_CONFIG),
                                     key="peft_type")
     with tempfile.TemporaryDirectory() as directory:  # peft's own parsing (defaults, old fields)
         with open(os.path.join(directory, ADAPTER_CONFIG), "wb") as handle:
-            handle.write(raw)
+            handle.write(json.dumps(data).encode())
         try:
             config = peft.PeftConfig.from_pretrained(directory)
         except (TypeError, ValueError, KeyError) as e:

@@ -47,10 +47,10 @@ from hp_dcp_hf.storage.format.header import (
     SHARDING_INFO_KEY,
     FileHeader,
     TensorEntry,
-    loads_json_object,
     read_header,
 )
 from hp_dcp_hf.storage.format.journal import INDEX_FILE, JOURNAL_FILE, SAVE_ID_KEY, SINGLE_FILE
+from hp_dcp_hf.storage.format.json_file import loads_json_object, read_json
 from hp_dcp_hf.storage.transport.location import CheckpointLocation, FileVersion
 from hp_dcp_hf.storage.transport.stats import ReadStats
 
@@ -269,12 +269,12 @@ def _check_index_file_name(name: object, key: str) -> str:
 
 def parse_index(raw: bytes) -> dict[str, str]:
     """The ``weight_map`` of an index file's bytes: key -> file name, every name checked."""
-    return _parse_index(raw)[0]
+    return _parse_index(loads_json_object(raw, file=INDEX_FILE))[0]
 
 
-def _parse_index(raw: bytes) -> tuple[dict[str, str], str | None]:
-    """:func:`parse_index`, and the save id in the index's ``metadata`` (None: not written by us)."""
-    index = loads_json_object(raw, file=INDEX_FILE)
+def _parse_index(index: dict[str, Any]) -> tuple[dict[str, str], str | None]:
+    """The index object's ``weight_map``, every name checked, and the save id in its ``metadata``
+    (None: not written by us)."""
     weight_map = index.get("weight_map")
     if not isinstance(weight_map, dict):
         raise CheckpointFormatError("index has no weight_map object", file=INDEX_FILE)
@@ -284,13 +284,7 @@ def _parse_index(raw: bytes) -> tuple[dict[str, str], str | None]:
 
 
 def _read_index(location: CheckpointLocation, stats: ReadStats) -> tuple[dict[str, str], str | None]:
-    size = location.size(INDEX_FILE)
-    if size > MAX_HEADER_BYTES:
-        raise CheckpointFormatError(f"{size} bytes exceeds the {MAX_HEADER_BYTES}-byte cap", file=INDEX_FILE)
-    with location.open(INDEX_FILE) as handle:
-        raw = handle.read(0, size)
-    stats.add(INDEX_FILE, header_bytes=size, header_requests=1)
-    return _parse_index(raw)
+    return _parse_index(read_json(location, INDEX_FILE, cap=MAX_HEADER_BYTES, file=INDEX_FILE, stats=stats))
 
 
 def find_files(
@@ -402,13 +396,8 @@ def scan(
 
 def _read_quantization_config(location: CheckpointLocation, stats: ReadStats) -> dict[str, Any] | None:
     """The ``quantization_config`` object of the directory's ``config.json`` (None without one)."""
-    size = location.size(CONFIG_FILE)
-    if size > MAX_HEADER_BYTES:
-        raise CheckpointFormatError(f"{size} bytes exceeds the {MAX_HEADER_BYTES}-byte cap", file=CONFIG_FILE)
-    with location.open(CONFIG_FILE) as handle:
-        raw = handle.read(0, size)
-    stats.add(CONFIG_FILE, header_bytes=size, header_requests=1)
-    quantization = loads_json_object(raw, file=CONFIG_FILE).get("quantization_config")
+    config = read_json(location, CONFIG_FILE, cap=MAX_HEADER_BYTES, file=CONFIG_FILE, stats=stats)
+    quantization = config.get("quantization_config")
     if quantization is not None and not isinstance(quantization, dict):
         raise CheckpointFormatError("quantization_config is not an object", file=CONFIG_FILE)
     return quantization

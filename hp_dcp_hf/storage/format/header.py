@@ -16,18 +16,17 @@ tile its tensor is the catalog's business, once every header is read.
 
 from __future__ import annotations
 
-import json
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from functools import cached_property
-from typing import Any
 
 import torch
 
 from hp_dcp_hf.errors import CheckpointFormatError
 from hp_dcp_hf.geometry.box import Box
 from hp_dcp_hf.storage.format.dtypes import lookup_dtype
+from hp_dcp_hf.storage.format.json_file import loads_json_object
 from hp_dcp_hf.storage.transport.location import CheckpointLocation
 from hp_dcp_hf.storage.transport.stats import ReadStats
 
@@ -83,33 +82,6 @@ class FileHeader:
     header_len: int
     metadata: Mapping[str, str]
     entries: tuple[TensorEntry, ...]
-
-
-def _reject_duplicates(file: str) -> Any:
-    def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-        seen: dict[str, Any] = {}
-        for key, value in pairs:
-            if key in seen:
-                raise CheckpointFormatError("duplicate JSON key", file=file, key=key)
-            seen[key] = value
-        return seen
-
-    return hook
-
-
-def loads_json_object(raw: bytes, *, file: str) -> dict[str, Any]:
-    """``raw`` as a JSON object: UTF-8, no duplicate keys at any level, an object at the top."""
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise CheckpointFormatError(f"not valid UTF-8: {e}", file=file) from e
-    try:
-        value = json.loads(text, object_pairs_hook=_reject_duplicates(file))
-    except json.JSONDecodeError as e:
-        raise CheckpointFormatError(f"not valid JSON: {e}", file=file) from e
-    if not isinstance(value, dict):
-        raise CheckpointFormatError(f"JSON is a {type(value).__name__}, not an object", file=file)
-    return value
 
 
 def _is_count(value: object) -> bool:

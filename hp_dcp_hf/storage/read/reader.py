@@ -66,9 +66,9 @@ from hp_dcp_hf.storage.read.leftovers import unfinished_save
 from hp_dcp_hf.storage.read.ring import Copy, SlotCopier, StagingRing, StagingStats
 from hp_dcp_hf.storage.read.span_reads import SpanLoad, StoredTable, node_id, read_spans
 from hp_dcp_hf.storage.read.spans import SPAN_BYTES, SPAN_GAP, ClusterPlan, Traffic, traffic
+from hp_dcp_hf.storage.transport.backend import RetryPolicy
 from hp_dcp_hf.storage.transport.fsspec_backend import DIRECT_IO_ALIGN
 from hp_dcp_hf.storage.transport.location import CheckpointLocation, RangeFile, filesystem, locate
-from hp_dcp_hf.storage.transport.remote import RetryPolicy
 from hp_dcp_hf.storage.transport.stats import ReadStats
 from hp_dcp_hf.util.collectives import agree_on_failure, share_from_rank0, should_broadcast
 from hp_dcp_hf.util.perf import paused_gc
@@ -180,7 +180,7 @@ class HFStorageReader(StorageReader):
     time. With CUDA destinations the staging ring holds one batch more (a batch's reads overlap the
     previous one's copy to the device), in pinned memory. ``broadcast_metadata``: in a process group, rank 0 alone reads the headers and broadcasts
     them (every rank must then call ``read_metadata``, which ``dcp.load`` does). ``retry``: the
-    :class:`~hp_dcp_hf.storage.transport.remote.RetryPolicy` of remote reads, or a dict of its fields.
+    :class:`~hp_dcp_hf.storage.transport.backend.RetryPolicy` of remote reads, or a dict of its fields.
     ``record_requests``: keep every request issued in ``requests_log`` as ``(file, start, end)``
     (for pictures of a plan; off by default). ``cooperate``: span ownership
     (:mod:`hp_dcp_hf.storage.read.spans`): the ranks read every checkpoint byte any of them needs once
@@ -203,7 +203,7 @@ class HFStorageReader(StorageReader):
 
     Remote paths: ``s3://bucket/prefix`` (and other fsspec URLs), ``http(s)://`` directories that
     serve ``model.safetensors.index.json`` (or one ``.safetensors`` file), ``hf://org/repo[@rev]
-    [/subdir]`` and bare ``org/repo[@rev]`` Hub ids; see :mod:`hp_dcp_hf.storage.transport.remote` for their
+    [/subdir]`` and bare ``org/repo[@rev]`` Hub ids; see :mod:`hp_dcp_hf.storage.transport.location` for their
     options. A Hub revision is resolved to its commit on the rank that reads the headers and
     travels with them, so every rank reads that commit (``resolved_root`` names it after
     ``read_metadata``).

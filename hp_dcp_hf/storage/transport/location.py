@@ -7,8 +7,18 @@ the backend. Local files get ``os.preadv`` straight into the caller's buffers (n
 copy), or are mapped into memory (:meth:`RangeFile.mapped`) so that a box is one strided copy
 instead of one read per row; other fsspec filesystems (``s3://``, ``memory://``, ...) get exact ranged ``cat_file``
 calls (never ``open()``, whose read-ahead fetches far past the range), retried on transient
-errors; ``http(s)://`` URLs and Hugging Face Hub repos (``hf://``, bare ``org/repo``) have
-backends of their own in :mod:`hp_dcp_hf.storage.transport.remote`.
+errors. Each kind of store keeps what differs in its own module:
+
+* **S3** (``s3://``): :mod:`~hp_dcp_hf.storage.transport.s3`, metadata through s3fs, data through a
+  botocore client of our own; storage options as s3fs takes them (``key``, ``secret``,
+  ``client_kwargs={"endpoint_url": ...}``, ``config_kwargs``, ``anon``, ...);
+* **other fsspec stores** (``gs://``, ``memory://``, ...):
+  :mod:`~hp_dcp_hf.storage.transport.fsspec_backend`;
+* **HTTP(S)**: :mod:`~hp_dcp_hf.storage.transport.http_backend`;
+* **Hugging Face Hub** (``hf://``, bare ``org/repo``): :mod:`~hp_dcp_hf.storage.transport.hub`;
+  the last two read through one client, :mod:`~hp_dcp_hf.storage.transport.http_client`.
+
+:func:`filesystem` picks the backend from the path alone.
 
 Only :meth:`Backend.open` (and the reads of the handle it returns) runs on every rank during a
 load; everything else is metadata, asked by the rank that reads the headers.
@@ -24,6 +34,7 @@ version checks every read against it (local: ``os.fstat`` of its descriptor; rem
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -32,13 +43,14 @@ from fsspec import AbstractFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
 from hp_dcp_hf.errors import ArgumentError, CheckpointNotFoundError, HPDCPHFError
-from hp_dcp_hf.storage.transport import remote, s3
+from hp_dcp_hf.storage.transport import s3
 from hp_dcp_hf.storage.transport.backend import (
     REMOTE_COALESCE_GAP,
     Backend,
     FileVersion,
     RangeFile,
     RetryPolicy,
+    UnreachableError,
     changed_error,
     fill_views,
     host_name,
@@ -51,6 +63,8 @@ from hp_dcp_hf.storage.transport.fsspec_backend import (
     fsspec_error_is_transient,
     local_version,
 )
+from hp_dcp_hf.storage.transport.http_backend import INDEX_FILE, HttpBackend
+from hp_dcp_hf.storage.transport.hub import HubBackend
 from hp_dcp_hf.storage.transport.options import check_storage_options
 from hp_dcp_hf.storage.transport.s3 import S3Backend
 
@@ -92,10 +106,41 @@ def backend_for_filesystem(
     except ImportError:  # pragma: no cover - huggingface_hub is a dependency
         HfFileSystem = ()  # type: ignore[assignment]  # noqa: N806
     if isinstance(fs, HfFileSystem):
-        return remote.HubBackend(retry, fs=fs)
+        return HubBackend(retry, fs=fs)
     if type(fs).__name__ == "S3FileSystem" and hasattr(fs, "_call_s3") and hasattr(fs, "split_path"):
         return S3Backend(fs, retry, concurrency=concurrency)
     return FsspecBackend(fs, retry)
+
+
+_BARE_REPO = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9_][\w.-]*(?:@[^\s]+)?$")
+
+
+def _is_bare_repo_id(path: str) -> bool:
+    return "://" not in path and bool(_BARE_REPO.match(path)) and not os.path.exists(path.split("@", 1)[0])
+
+
+def _remote_kind(path: str) -> str | None:
+    """``"http"`` for http(s) URLs, ``"hub"`` for Hub repos, ``None`` for everything fsspec handles."""
+    if re.match(r"^https?://", path, re.IGNORECASE):
+        return "http"
+    if path.startswith("hf://") or _is_bare_repo_id(path):
+        return "hub"
+    return None
+
+
+def _remote_backend(path: str, options: dict[str, Any], retry: RetryPolicy) -> tuple[Backend, str] | None:
+    """The backend and path for http(s) URLs and Hub repos; ``None`` for everything fsspec handles."""
+    store = _remote_kind(path)
+    if store is not None:
+        check_storage_options(path, options, store)
+    if store == "http":
+        return HttpBackend(retry, **options), path
+    if store == "hub" and path.startswith("hf://"):
+        return HubBackend(retry, **options), path.removeprefix("hf://").rstrip("/")
+    if store == "hub":
+        hint = f" ({path!r} is no local path, so it was read as a Hub repo id)"
+        return HubBackend(retry, hint=hint, **options), path
+    return None
 
 
 def as_backend(fs: Backend | AbstractFileSystem) -> Backend:
@@ -122,7 +167,8 @@ def filesystem(
     repo id ``org/repo[@revision]`` that is not an existing local path. A path starting with
     ``./``, ``../``, ``/`` or ``~``, or ending in ``.safetensors``, is always local (never a Hub
     repo id), so a missing one fails as "does not exist locally". ``storage_options`` go to
-    the backend (see :mod:`hp_dcp_hf.storage.transport.remote` for the http and Hub ones); ``retry`` is the
+    the backend (see :mod:`~hp_dcp_hf.storage.transport.http_backend` and
+    :mod:`~hp_dcp_hf.storage.transport.hub` for the http and Hub ones); ``retry`` is the
     :class:`~hp_dcp_hf.storage.transport.backend.RetryPolicy` (or its fields as a dict) of remote reads;
     ``concurrency`` is how many reads the caller keeps in flight (S3 sizes its connection pool and
     starts its client for it; see :mod:`hp_dcp_hf.storage.transport.s3`). An option key the store
@@ -132,7 +178,7 @@ def filesystem(
     text = os.fspath(path)
     options = dict(storage_options or {})
     policy = RetryPolicy.of(retry)
-    found = None if _always_local(text) else remote.resolve(text, options, policy)
+    found = None if _always_local(text) else _remote_backend(text, options, policy)
     if found is not None:
         return found
     try:
@@ -158,7 +204,7 @@ def check_options(path: str | os.PathLike, storage_options: Mapping[str, Any] | 
     of ``path`` does not take (:mod:`hp_dcp_hf.storage.transport.options`); no I/O, no filesystem is
     made: the CLI asks before it starts any rank."""
     text, options = os.fspath(path), dict(storage_options or {})
-    store = None if _always_local(text) else remote.kind(text)
+    store = None if _always_local(text) else _remote_kind(text)
     if store is not None:
         check_storage_options(text, options, store)
         return
@@ -260,9 +306,9 @@ def locate(fs: Backend | AbstractFileSystem, fspath: str) -> tuple[CheckpointLoc
     try:
         root, single_file = backend.locate(fspath)
     except HPDCPHFError as e:
-        # remote.resolve gives a Hub backend its hint only for a bare repo id that is no local path
+        # _remote_backend gives a Hub backend its hint only for a bare repo id that is no local path
         if not getattr(backend, "hint", ""):
             raise
-        outcome = e.reason if isinstance(e, remote.UnreachableError) else f"the Hub answered: {e.reason}"
+        outcome = e.reason if isinstance(e, UnreachableError) else f"the Hub answered: {e.reason}"
         raise type(e)(f"no local directory {fspath!r}, and {outcome}", file=e.file, key=e.key) from e
-    return CheckpointLocation(backend, root), None if single_file == remote.INDEX_FILE else single_file
+    return CheckpointLocation(backend, root), None if single_file == INDEX_FILE else single_file

@@ -9,7 +9,7 @@ of the classes that take them, so they follow the installed versions:
 * **S3** (s3fs): ``S3FileSystem``'s parameters, the botocore session's (where s3fs sends the rest),
   fsspec's instance and listings cache switches; ``client_kwargs``: botocore
   ``Session.create_client``'s; ``config_kwargs``: botocore ``Config``'s options;
-* **HTTP(S)**: :data:`~hp_dcp_hf.storage.transport.remote.HTTP_OPTIONS`;
+* **HTTP(S)**: :data:`~hp_dcp_hf.storage.transport.http_backend.HTTP_OPTIONS`;
 * **Hugging Face Hub**: ``HfFileSystem``'s parameters, ``revision``, fsspec's cache switches;
 * **local files**: ``LocalFileSystem``'s parameters and fsspec's cache switches.
 
@@ -103,7 +103,7 @@ def check_storage_options(path: str | None, options: Mapping[str, Any], kind: st
     if not options:
         return
     if kind == "http":
-        from hp_dcp_hf.storage.transport.remote import HTTP_OPTIONS
+        from hp_dcp_hf.storage.transport.http_backend import HTTP_OPTIONS
 
         _check("http(s) checkpoints", options, HTTP_OPTIONS, path)
     elif kind == "hub":
