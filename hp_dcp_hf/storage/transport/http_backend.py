@@ -20,10 +20,6 @@ from hp_dcp_hf.storage.transport.options import check_storage_options
 INDEX_FILE = "model.safetensors.index.json"  # catalog.INDEX_FILE; the catalog is a layer above transport
 _FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".pkl", ".json")
 
-HTTP_OPTIONS = ("headers", "verify", "cert", "proxies")
-"""The storage options of http(s) checkpoints: request headers, and the ``requests.Session`` settings."""
-
-
 class HttpBackend(Backend):
     """Checkpoints behind ``http(s)://`` URLs: the index names the files, reads are ranged GETs."""
 

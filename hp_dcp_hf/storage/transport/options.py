@@ -96,6 +96,10 @@ def _check(store: str, options: Mapping[str, Any], valid: Collection[str], path:
         raise _refuse(store, where, unknown, valid, path)
 
 
+HTTP_OPTIONS = ("headers", "verify", "cert", "proxies")
+"""The storage options of http(s) checkpoints: request headers, and the ``requests.Session`` settings."""
+
+
 def check_storage_options(path: str | None, options: Mapping[str, Any], kind: str, fs_class: type | None = None) -> None:
     """Raise :class:`ArgumentError` naming the valid keys when ``options`` has a key the store of
     ``path`` does not take. ``kind``: ``"http"``, ``"hub"``, ``"s3"``, ``"local"`` or ``"fsspec"``
@@ -103,8 +107,6 @@ def check_storage_options(path: str | None, options: Mapping[str, Any], kind: st
     if not options:
         return
     if kind == "http":
-        from hp_dcp_hf.storage.transport.http_backend import HTTP_OPTIONS
-
         _check("http(s) checkpoints", options, HTTP_OPTIONS, path)
     elif kind == "hub":
         _check("Hugging Face Hub checkpoints (HfFileSystem)", options, _hub_keys(), path)
