@@ -49,7 +49,7 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
-from tests.support.models import MODEL_TYPES, build_model, load_reference, make_checkpoint  # noqa: E402
+from tests.support.models import DEFAULT_SHARD_SIZE, MODEL_TYPES, build_model, load_reference, make_checkpoint  # noqa: E402
 from tests.support.servers.s3 import BUCKET, MotoS3  # noqa: E402
 
 try:  # transformers' own loading/saving bars ("Loading weights", "Writing model shards")
@@ -61,7 +61,6 @@ except Exception:  # pragma: no cover - transformers is a hard dependency, but s
     pass
 
 DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32}
-DEFAULT_SHARD_SIZE = "20KB"
 
 
 def dtype_name(dtype: torch.dtype) -> str:

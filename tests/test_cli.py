@@ -618,8 +618,8 @@ def test_legacy_amplification_is_over_what_the_shards_need(capsys, llama):
 
 def test_load_save_to_writes_the_checkpoint_back(capsys, llama, tmp_path):
     """``load --save-to``: the loaded model saved back is the checkpoint it came from."""
-    from tests.conftest import DEFAULT_SHARD_SIZE
-    from tests.test_save import assert_same_checkpoint
+    from tests.support.checkpoints import assert_same_checkpoint
+    from tests.support.models import DEFAULT_SHARD_SIZE
 
     code, out, err = _run_cli(capsys, "load", str(llama.path), "--dtype", "bfloat16", "--json",
                               "--save-to", str(tmp_path / "saved"), "--max-shard-size", str(DEFAULT_SHARD_SIZE))
@@ -633,7 +633,7 @@ def test_load_save_to_writes_the_checkpoint_back(capsys, llama, tmp_path):
 def test_load_save_to_keeps_the_source_s_layout(capsys, llama, tmp_path):
     """Without ``--max-shard-size`` a sharded source comes back as the same files holding the same
     tensors (save_pretrained's split at the source's largest file), not as one 50 GB-limit file."""
-    from tests.test_save import assert_same_checkpoint
+    from tests.support.checkpoints import assert_same_checkpoint
 
     assert len(list(llama.path.glob("*.safetensors"))) > 2
     code, _, err = _run_cli(capsys, "load", str(llama.path), "--dtype", "float32", "--save-to", str(tmp_path / "saved"))
@@ -645,8 +645,9 @@ def test_load_save_to_keeps_the_checkpoint_s_dtype(capsys, llama, tmp_path):
     """A bf16 checkpoint loaded into a float32 model saves back as bf16: every file's bytes are the
     checkpoint's but for the save id in the headers; ``--save-dtype model`` writes float32 and says
     so in config.json."""
-    from tests.conftest import DEFAULT_SHARD_SIZE
-    from tests.test_save import SAVE_ID_KEY, anonymized
+    from hp_dcp_hf.storage.format.journal import SAVE_ID_KEY
+    from tests.support.checkpoints import anonymized
+    from tests.support.models import DEFAULT_SHARD_SIZE
 
     code, _, err = _run_cli(capsys, "load", str(llama.path), "--dtype", "float32", "--save-to",
                             str(tmp_path / "saved"), "--max-shard-size", str(DEFAULT_SHARD_SIZE))

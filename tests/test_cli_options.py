@@ -12,8 +12,7 @@ import torch
 from safetensors.torch import load, load_file
 
 from hp_dcp_hf.tools.cli import add_storage_option, main, parse_storage_option
-from tests.conftest import DEFAULT_SHARD_SIZE
-from tests.support.models import checkpoint_keys
+from tests.support.models import DEFAULT_SHARD_SIZE, checkpoint_keys
 from tests.support.servers.s3 import CREDENTIALS, REGION, MotoS3
 
 BUCKET = "cli-options"

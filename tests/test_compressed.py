@@ -32,8 +32,8 @@ from tests.support.compressed import (
     weights_args,
 )
 from tests.support.families import family_model_class, load_family_reference
-from tests.test_quantized import _edit as edit_copy
-from tests.test_quantized import assert_refused_before_any_write
+from tests.support.quantized import _edit as edit_copy
+from tests.support.quantized import assert_refused_before_any_write
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

@@ -43,7 +43,7 @@ from tests.support.families import (
     load_family_reference,
     save_family_model,
 )
-from tests.test_structure import assert_same_plans
+from tests.support.symbolic_check import assert_same_plans
 
 SHARD_SIZE = "100KB"
 

@@ -29,6 +29,7 @@ from hp_dcp_hf.geometry.shards import (
     local_tensor,
     mark_checkpointable,
 )
+from tests.support.models import replace_parameters
 
 PROTOCOL_MODULES = ("torch.distributed.checkpoint.protocol", "torch_checkpointing.checkpointable")
 
@@ -171,20 +172,6 @@ def test_without_the_ranks_geometry_a_rank_writes_all_its_shards():
 # -- one process holding every shard: load and save exact ----------------------------------------------
 
 
-def replace_parameters(model: torch.nn.Module, make) -> None:
-    """Every parameter replaced by ``make(param)`` (tied parameters by one), and the shard geometry
-    kept through ``state_dict()``."""
-    done: dict[int, torch.nn.Parameter] = {}
-    for module in model.modules():
-        for name, param in list(module._parameters.items()):
-            if param is None:
-                continue
-            if id(param) not in done:
-                done[id(param)] = make(param)
-            module._parameters[name] = done[id(param)]
-    keep_shard_geometry(model)
-
-
 def _shard_rows(model: torch.nn.Module, pad: int = 1) -> None:
     """Every parameter becomes a protocol tensor of two shards (its rows cut unevenly, the second
     first in the buffer), ``pad`` padding rows after each; tied parameters stay one."""
@@ -218,8 +205,8 @@ def _tensor_data_bytes(file) -> int:
 
 def test_one_process_loads_and_saves_protocol_shards_exactly(tmp_path):
     from hp_dcp_hf import HFStorageReader, load_hf_checkpoint, save_hf_checkpoint
+    from tests.support.checkpoints import assert_same_checkpoint
     from tests.support.models import make_checkpoint, model_class, tiny_config
-    from tests.test_save import assert_same_checkpoint
 
     path = make_checkpoint("llama", tmp_path / "ckpt", dtype=torch.float32)
     model = model_class("llama")(tiny_config("llama"))

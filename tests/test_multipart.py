@@ -5,7 +5,6 @@ aborted save leaves no object and no pending upload, and an older checkpoint as 
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,10 +18,9 @@ from hp_dcp_hf.storage.format.files import SavedTensor
 from hp_dcp_hf.storage.write.destination import BoxWrite, box_runs
 from hp_dcp_hf.storage.write.multipart import MultipartUploads
 from hp_dcp_hf.storage.write.parts import MAX_PARTS, MIN_PART_BYTES, file_parts, part_size, rounds
-from tests.support.families import family_model_class, tiny_family_config
-from tests.support.servers.s3 import BUCKET
-from tests.test_save import anonymized
-from tests.test_storage_ranges import tensor_and_box
+from tests.support.boxes import tensor_and_box
+from tests.support.checkpoints import anonymized, big_llama, local_files
+from tests.support.servers.s3 import BUCKET, objects, pending_uploads
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -80,27 +78,6 @@ def test_windowed_runs_partition_the_box_bytes(case, lead, window, cast):
 
 
 # -- saves against moto -------------------------------------------------------------------------
-
-
-def big_llama(seed: int = 0):
-    """A llama of about 21 MB in float32 (vocab 60001, untied): files over S3's 5 MiB part minimum."""
-    torch.manual_seed(seed)
-    config = tiny_family_config("llama", vocab_size=60001, tie_word_embeddings=False)
-    return family_model_class("llama")._from_config(config, dtype=torch.float32).eval()
-
-
-def objects(moto, prefix: str) -> dict[str, bytes]:
-    listed = moto.client.list_objects_v2(Bucket=BUCKET, Prefix=prefix + "/").get("Contents", [])
-    return {o["Key"].removeprefix(prefix + "/"): moto.client.get_object(Bucket=BUCKET, Key=o["Key"])["Body"].read()
-            for o in listed}
-
-
-def local_files(directory: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in directory.iterdir()}
-
-
-def pending_uploads(moto) -> list[str]:
-    return [u["Key"] for u in moto.client.list_multipart_uploads(Bucket=BUCKET).get("Uploads", [])]
 
 
 def test_s3_save_is_the_local_save_byte_for_byte(moto, tmp_path):

@@ -12,7 +12,6 @@ The tiny gpt-oss stores its experts as MXFP4 blocks and E8M0 scales, its other w
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
@@ -27,6 +26,8 @@ from hp_dcp_hf.tools.toolkit import plan_ranks
 from tests.support.families import family_model_class, load_family_reference
 from tests.support.quantized import (
     FP8,
+    _edit,
+    assert_refused_before_any_write,
     dequantize_reference,
     make_fp8_checkpoint,
     make_mxfp4_checkpoint,
@@ -247,24 +248,6 @@ def test_transformers_reads_mxfp4_as_we_do(tmp_path):
 # -- bad input ----------------------------------------------------------------------------------------
 
 
-def _edit(checkpoint_path, destination, edit_tensors=None, edit_config=None):
-    shutil.copytree(checkpoint_path, destination)
-    if edit_tensors is not None:
-        index = json.loads((destination / "model.safetensors.index.json").read_text())
-        for file in sorted(set(index["weight_map"].values())):
-            tensors = load_file(destination / file)
-            edited = edit_tensors(dict(tensors))
-            save_file(edited, destination / file, metadata={"format": "pt"})
-            for key in set(tensors) - set(edited):
-                del index["weight_map"][key]
-        (destination / "model.safetensors.index.json").write_text(json.dumps(index))
-    if edit_config is not None:
-        config = json.loads((destination / "config.json").read_text())
-        edit_config(config)
-        (destination / "config.json").write_text(json.dumps(config))
-    return destination
-
-
 SCALE = "model.layers.0.self_attn.kv_a_proj_with_mqa.weight_scale_inv"
 
 
@@ -293,20 +276,6 @@ def test_bad_quantized_checkpoints_raise_before_any_write(case, tmp_path):
     options, key, reason = edits[case]
     bad = _edit(checkpoint.path, tmp_path / "bad", **options)
     assert_refused_before_any_write("deepseek_v3", checkpoint.twin, bad, key, reason)
-
-
-def assert_refused_before_any_write(model_type: str, twin, bad, key: str | None, reason: str) -> None:
-    """Loading ``bad`` into the bf16 model of ``twin``'s config raises a QuantizationError naming
-    ``key`` (else config.json) and ``reason``, and leaves the model as it was."""
-    model = family_model_class(model_type)._from_config(hp_dcp_hf.model.config.read_config(str(twin)), dtype=torch.bfloat16)
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(QuantizationError) as raised:
-        hp_dcp_hf.load_hf_checkpoint(model, str(bad))
-    assert reason in str(raised.value)
-    assert raised.value.key == key
-    if key is None:
-        assert raised.value.file == "config.json"
-    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
 def test_the_loaded_model_is_not_quantized(quantized):
@@ -390,7 +359,6 @@ def test_stored_scales_must_cover_the_weight_rows_a_rank_holds(scale_layout, tmp
     rows [10, 20) but only scale row 1, so it could not use its weights (rows 10..15 need scale row
     0): a LayoutError at planning time. Replicated scales cover every rank."""
     import torch.distributed as dist
-    from safetensors.torch import save_file
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -436,7 +404,7 @@ def test_stored_scales_must_cover_the_weight_rows_a_rank_holds(scale_layout, tmp
 def test_a_dequantized_model_saves_back_as_its_bf16_twin(quantized, tmp_path):
     """Saving the loaded model writes its bf16 values and no quantization_config: exactly the
     dequantized twin's files."""
-    from tests.test_save import assert_same_checkpoint
+    from tests.support.checkpoints import assert_same_checkpoint
 
     model_type, checkpoint, _ = quantized
     model, _ = hp_dcp_hf.from_pretrained(str(checkpoint.path), dtype=torch.bfloat16,

@@ -35,7 +35,7 @@ from hp_dcp_hf.storage.transport.location import FsspecBackend, filesystem, loca
 from hp_dcp_hf.storage.transport.s3 import S3Backend, client_settings
 from tests.support.models import model_class, tiny_config
 from tests.support.servers.fake_hub import FakeHub
-from tests.support.servers.range_server import LoggedRequest, StaticRangeServer
+from tests.support.servers.range_server import LoggedRequest, StaticRangeServer, _Into
 from tests.support.servers.s3 import MotoS3
 
 MODEL = "mixtral"
@@ -228,19 +228,6 @@ def test_http_load_reads_exact_ranges(http, ckpt) -> None:
     print(f"\nhttp load: {len(gets)} GETs ({stats.requests} data, {stats.header_requests} header), "
           f"{len(heads)} HEADs, {stats.bytes_read} data bytes + {stats.header_bytes} header bytes "
           f"of {sum(files.values())} in the files")
-
-
-class _Into:
-    """The planner side of ``read_data``: one destination per item."""
-
-    def __init__(self, dests: dict[str, torch.Tensor]) -> None:
-        self.dests = dests
-
-    def resolve_tensor(self, item: ReadItem) -> torch.Tensor:
-        return self.dests[item.dest_index.fqn]
-
-    def commit_tensor(self, item: ReadItem, tensor: torch.Tensor) -> None:
-        pass
 
 
 @pytest.mark.parametrize("gap", [None, 0], ids=["default", "exact"])

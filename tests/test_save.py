@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import threading
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,46 +22,14 @@ from safetensors.torch import load_file
 import hp_dcp_hf
 from hp_dcp_hf.errors import InterruptedSaveError, MixedCheckpointError, PlanningError, StorageWriteError
 from hp_dcp_hf.storage.format.files import layout_file
-from hp_dcp_hf.storage.format.journal import INDEX_FILE, SAVE_ID_KEY, STAGING_PREFIX
+from hp_dcp_hf.storage.format.journal import INDEX_FILE, STAGING_PREFIX
 from hp_dcp_hf.tools.toolkit import inspect_checkpoint
+from tests.support.checkpoints import SHARD, assert_same_checkpoint
 from tests.support.families import build_family_model, family_model_class, save_family_model
 
-SHARD = "20KB"
 FAMILIES = ("llama", "mixtral", "gte", "qwen3_moe", "gradium_phonon_tts")  # tied, MoE merge, Chunk, PermuteForRope
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
-
-
-def save_id_of(file: Path) -> str | None:
-    """The save id in a safetensors file's ``__metadata__`` (None for save_pretrained's files)."""
-    with safe_open(file, "pt") as handle:
-        return (handle.metadata() or {}).get(SAVE_ID_KEY)
-
-
-def anonymized(files: dict[str, bytes]) -> dict[str, bytes]:
-    """Files' bytes with every save id zeroed: two saves of the same model compare equal."""
-    pattern = re.compile(rb'("' + SAVE_ID_KEY.encode() + rb'": ?")[0-9a-f]{32}"')
-    return {name: pattern.sub(rb'\g<1>' + b"0" * 32 + b'"', data) for name, data in files.items()}
-
-
-def assert_same_checkpoint(ours: Path, reference: Path) -> None:
-    """Same files; in each safetensors file the same keys, dtypes, shapes and bits; same index and
-    config. Ours carry one save id, in every file's header and in the index (its only difference)."""
-    assert sorted(p.name for p in ours.iterdir()) == sorted(p.name for p in reference.iterdir())
-    ids = set()
-    for file in reference.glob("*.safetensors"):
-        expected, actual = load_file(file), load_file(ours / file.name)
-        assert sorted(actual) == sorted(expected), file.name
-        for key, value in expected.items():
-            assert actual[key].dtype == value.dtype and torch.equal(actual[key], value), key
-        ids.add(save_id_of(ours / file.name))
-    assert len(ids) == 1 and re.fullmatch("[0-9a-f]{32}", ids.pop() or ""), ids
-    for name in ("model.safetensors.index.json", "config.json", "generation_config.json"):
-        if (reference / name).exists():
-            actual = json.loads((ours / name).read_text())
-            if name == INDEX_FILE:
-                assert actual["metadata"].pop(SAVE_ID_KEY) == save_id_of(ours / next(iter(actual["weight_map"].values())))
-            assert actual == json.loads((reference / name).read_text()), name
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -151,7 +117,6 @@ def test_headers_follow_the_safetensors_format(tmp_path):
     assert len(saved.header) % 8 == 0
     assert [t.key for t in saved.tensors] == ["c", "a", "b"]  # widest elements first
     assert all(t.start % t.dtype.itemsize == 0 for t in saved.tensors)
-    from safetensors import safe_open
 
     path = tmp_path / "x.safetensors"
     path.write_bytes(saved.header + bytes(saved.size - len(saved.header)))
@@ -303,8 +268,7 @@ def test_a_model_without_a_config_is_refused_before_writing(tmp_path):
 def test_tied_embeddings_are_written_once(tiny_checkpoints, tmp_path):
     """A tied lm_head is not a checkpoint tensor: the embedding is written under the name
     ``save_pretrained`` keeps, once."""
-    from tests.conftest import DEFAULT_SHARD_SIZE
-    from tests.support.models import model_class
+    from tests.support.models import DEFAULT_SHARD_SIZE, model_class
 
     llama = tiny_checkpoints("llama", torch.bfloat16)
     model, _ = hp_dcp_hf.from_pretrained(str(llama.path), dtype=torch.bfloat16, model_cls=model_class("llama"))

@@ -15,17 +15,14 @@ saved back is byte-identical to the one it came from.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import math
 from pathlib import Path
 from types import SimpleNamespace
-from unittest import mock
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 import hp_dcp_hf
 from hp_dcp_hf.errors import ArgumentError
@@ -41,24 +38,27 @@ from hp_dcp_hf.quant.encode import (
     quantize_box,
 )
 from hp_dcp_hf.quant.grid import whole_blocks
+from tests.support.checkpoints import SHARD, anonymized, assert_same_checkpoint
 from tests.support.families import (
     build_family_model,
     family_model_class,
     save_family_model,
-    tiny_family_config,
+)
+from tests.support.fp8 import (
+    BLOCK16,
+    FP8,
+    MIXED,
+    assert_is_transformers_own,
+    bits,
+    llama,
+    tensors,
+    transformers_fp8_model,
 )
 from tests.support.quantized import dequantize_reference, is_projection
-from tests.test_save import SHARD, anonymized, assert_same_checkpoint
 
-FP8 = torch.float8_e4m3fn
-BLOCK16 = {"quant_method": "fp8", "weight_block_size": [16, 16]}
 #: llama sizes where every projection is whole 16 x 16 blocks (transformers' Fp8Quantize converts them all)
 DIVISIBLE = {"hidden_size": 64, "intermediate_size": 96, "head_dim": 16, "num_attention_heads": 4,
              "num_key_value_heads": 2}
-#: llama sizes with projections that are and are not whole blocks: of 128 x 128, q/k/v/o are and the
-#: MLP's 352 is not; of 32 x 64, gate/up [352, 256] are and down [256, 352] is not
-MIXED = {"hidden_size": 256, "intermediate_size": 352, "head_dim": 64, "num_attention_heads": 4,
-         "num_key_value_heads": 2}
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -74,15 +74,6 @@ def fp8quantize(tensor: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Ten
     op = Fp8Quantize(SimpleNamespace(quantization_config=FineGrainedFP8Config(weight_block_size=block)))
     out = op.convert({"w.weight": padded})
     return out["w.weight"][..., : tensor.shape[-2], : tensor.shape[-1]].contiguous(), out["w.weight_scale_inv"]
-
-
-def tensors(path: Path) -> dict[str, torch.Tensor]:
-    return {k: v for f in sorted(path.glob("*.safetensors")) for k, v in load_file(f).items()}
-
-
-def bits(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor's bytes, so that FP8 (no ``==`` on CPU) and NaN compare."""
-    return tensor.contiguous().view(torch.uint8)
 
 
 def assert_fp8_of(saved: Path, reference: Path, block: tuple[int, int], ceil_grids: bool) -> set[str]:
@@ -103,39 +94,6 @@ def assert_fp8_of(saved: Path, reference: Path, block: tuple[int, int], ceil_gri
     return quantized
 
 
-def assert_is_transformers_own(saved: Path, theirs: Path) -> tuple[set[str], set[str]]:
-    """Every tensor of transformers' own FP8 checkpoint at ``theirs`` is one of ``saved`` bit for bit,
-    the same weights FP8 and the same kept in the model's dtype, but for the scale it writes beside
-    each kept weight (its ``FP8Linear``'s, never initialized), which ``saved`` does not hold; the
-    FP8 keys and the kept projections, both there."""
-    ours, stored = tensors(saved), tensors(theirs)
-    fp8 = {k for k, v in ours.items() if v.dtype == FP8}
-    kept = {k for k, v in ours.items() if is_projection(k, v) and v.dtype != FP8}
-    assert fp8 and kept and {k for k, v in stored.items() if v.dtype == FP8} == fp8
-    assert set(stored) - set(ours) == {k.removesuffix("weight") + "weight_scale_inv" for k in kept}
-    assert not [k for k, v in ours.items() if v.dtype != stored[k].dtype or not torch.equal(bits(v), bits(stored[k]))]
-    return fp8, kept
-
-
-@contextlib.contextmanager
-def quantizing_on_cpu():
-    """transformers' FP8 quantizer refuses to quantize on the fly without a GPU (its
-    ``validate_environment``); what it runs to quantize and save is plain torch, so here it may."""
-    from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
-
-    with mock.patch.object(FineGrainedFP8HfQuantizer, "validate_environment", lambda self, *args, **kwargs: None):
-        yield
-
-
-def transformers_fp8_model(model, quantization_config, directory: Path):
-    """transformers' FP8 model of ``model``'s weights: ``from_pretrained(quantization_config=)`` of
-    its ``save_pretrained`` checkpoint (written to ``directory``)."""
-    source = save_family_model(model, directory)
-    with quantizing_on_cpu():
-        return type(model).from_pretrained(source, quantization_config=copy.deepcopy(quantization_config),
-                                           dtype=model.dtype)
-
-
 def assembled_fp8_model(model, quantization_config):
     """transformers' FP8 model of ``model``'s weights built from its config, as ``save_pretrained``
     orders a model built so (one loaded by ``from_pretrained`` saves in another order, FP8 or not):
@@ -154,16 +112,6 @@ def assembled_fp8_model(model, quantization_config):
     fp8.hf_quantizer = quantizer
     quantizer.postprocess_model(fp8)
     return fp8
-
-
-def llama(dtype: torch.dtype = torch.bfloat16, **sizes):
-    config = tiny_family_config("llama", **sizes)
-    torch.manual_seed(0)
-    model = family_model_class("llama")._from_config(config, dtype=dtype)
-    from tests.support.models import _randomize_
-
-    _randomize_(model, 0)
-    return model.eval()
 
 
 # -- the arithmetic ---------------------------------------------------------------------------------

@@ -10,35 +10,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hp_dcp_hf import HFMappingPlanner, HFStorageReader
-from hp_dcp_hf.mapping.structure import Bound
+from hp_dcp_hf import HFStorageReader
 from hp_dcp_hf.tools.toolkit import _fake_rank, _register_fake_backend
 from hp_dcp_hf.transforms import fuse_qkv, grouped_gemm_experts
 from tests.support.layouts import apply_layout
 from tests.support.models import MODEL_TYPES, build_model
+from tests.support.symbolic_check import assert_same_plans
 
 WORLD = 4
 LAYOUTS = ("shard0", "shard_last", "strided", "fsdp_tp")
-
-
-def plan_of(model: torch.nn.Module, metadata, *, share_structure: bool) -> dict:
-    """Everything a plan decides: items in order, each item's destination view, counts, report."""
-    planner = HFMappingPlanner(model, share_structure=share_structure)
-    items = planner.plan_reads(model.state_dict(), metadata)
-    views = [(v.tensor.untyped_storage().data_ptr(), v.sizes, v.strides, v.offset) for v in map(planner._destinations.get, items) if v]
-    structures = {id(t.structure) for t in planner.composition.traced.values() if isinstance(t, Bound)}
-    return {"items": items, "views": views, "stats": planner.stats, "report": planner.report,
-            "deferred": sorted(planner._deferred), "structures": len(structures)}
-
-
-def assert_same_plans(model: torch.nn.Module, metadata) -> tuple[int, int]:
-    """The shared and per-group plans agree; the number of structures each traced."""
-    shared = plan_of(model, metadata, share_structure=True)
-    per_group = plan_of(model, metadata, share_structure=False)
-    assert shared["items"], "nothing planned"
-    for part in ("items", "views", "stats", "report", "deferred"):
-        assert shared[part] == per_group[part], part
-    return shared["structures"], per_group["structures"]
 
 
 @pytest.fixture(scope="module")

@@ -41,7 +41,7 @@ from hp_dcp_hf.storage.format.catalog import INDEX_FILE, Catalog, assemble, scan
 from hp_dcp_hf.storage.format.header import SAVED_OFFSETS_KEY, SHARDING_INFO_KEY, TensorEntry
 from hp_dcp_hf.storage.transport.location import filesystem, locate
 from hp_dcp_hf.storage.transport.stats import ReadStats
-from tests.test_remote import _Into
+from tests.support.servers.range_server import _Into
 
 _RANDOM = torch.Generator().manual_seed(0)
 FULL = {

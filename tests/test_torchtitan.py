@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.support import titan
-from tests.test_save import assert_same_checkpoint
+from tests.support.checkpoints import assert_same_checkpoint
 
 FAMILIES = titan.FAMILIES
 

@@ -22,10 +22,9 @@ from hp_dcp_hf.errors import StorageWriteError
 from hp_dcp_hf.storage.format.journal import JOURNAL_FILE, LOCK_FILE, STAGING_PREFIX
 from hp_dcp_hf.storage.write.destination import Destination, Directory
 from hp_dcp_hf.tools.cli import main
+from tests.support.checkpoints import anonymized, assert_same_checkpoint
 from tests.support.families import build_family_model, save_family_model
-from tests.support.servers.s3 import BUCKET
-from tests.test_multipart import objects, pending_uploads
-from tests.test_save import anonymized, assert_same_checkpoint
+from tests.support.servers.s3 import BUCKET, objects, pending_uploads
 
 SHARD = "20KB"
 

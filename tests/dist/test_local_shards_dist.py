@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from hp_dcp_hf.tools.launch import run_ranks
+from tests.support.checkpoints import SHARD, assert_same_checkpoint
 from tests.support.models import make_checkpoint, model_class, tiny_config
-from tests.test_save import SHARD, assert_same_checkpoint
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -80,7 +80,7 @@ def shard_model(model: torch.nn.Module, rank: int, world: int, scheme: str) -> N
     its shards stacked along dim 0 in the order :func:`geometry` gives, one padding row after each
     and one padding element beyond the widest shard in every other dim. Tied parameters stay one."""
     from hp_dcp_hf.geometry.shards import mark_checkpointable
-    from tests.test_local_shards import replace_parameters
+    from tests.support.models import replace_parameters
 
     def make(param: torch.nn.Parameter) -> torch.nn.Parameter:
         shape = tuple(param.shape)

@@ -36,14 +36,8 @@ from hp_dcp_hf.tools.launch import run_ranks
 
 pytest.importorskip("peft")
 
-from tests.test_peft import (  # noqa: E402
-    ADAPTER_WEIGHTS,
-    adapter_values,
-    assert_same_adapter,
-    make_adapter,
-    peft_load,
-    peft_reference,
-)
+from hp_dcp_hf.integrations.peft import ADAPTER_WEIGHTS  # noqa: E402
+from tests.support.peft import adapter_values, assert_same_adapter, make_adapter, peft_load, peft_reference
 
 CASES_4 = {  # name -> (adapter, mesh, how)
     "llama-dp4": ("llama", "dp=4", "recipe"),

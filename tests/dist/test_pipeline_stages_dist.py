@@ -17,8 +17,8 @@ import torch
 from safetensors.torch import load_file
 
 from hp_dcp_hf.tools.launch import run_ranks
+from tests.support.checkpoints import assert_same_checkpoint
 from tests.support.models import checkpoint_files, load_reference, model_class
-from tests.test_save import assert_same_checkpoint
 
 LAYERS, STAGES = 4, 2
 

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from hp_dcp_hf.tools.launch import run_ranks
+from tests.support.checkpoints import SHARD, anonymized, assert_same_checkpoint
 from tests.support.families import build_family_model, family_model_class, save_family_model
-from tests.test_save import SHARD, anonymized, assert_same_checkpoint
 
 CASES = {  # name -> (family, mesh, transforms)
     "llama-dp2tp2": ("llama", "dp=2,tp=2", ()),
@@ -191,8 +191,8 @@ def _s3_save(rank: int, world: int, checkpoint: str, out: str, prefix: str, opti
 
 def test_4_ranks_save_to_s3_what_they_save_locally(tmp_path):
     from hp_dcp_hf.storage.write.parts import MIN_PART_BYTES
-    from tests.support.servers.s3 import BUCKET, MotoS3
-    from tests.test_multipart import big_llama, local_files, objects, pending_uploads
+    from tests.support.checkpoints import big_llama, local_files
+    from tests.support.servers.s3 import BUCKET, MotoS3, objects, pending_uploads
 
     checkpoint = save_family_model(big_llama(), tmp_path / "reference", "12MB")
     moto = MotoS3(tmp_path / "recording.jsonl")

@@ -24,9 +24,9 @@ import torch
 
 from hp_dcp_hf.quant.encode import CeilGrids, fp8_config
 from hp_dcp_hf.tools.launch import run_ranks
+from tests.support.checkpoints import SHARD, anonymized
 from tests.support.families import build_family_model, family_model_class, save_family_model
-from tests.test_save import SHARD, anonymized
-from tests.test_save_fp8 import (
+from tests.support.fp8 import (
     BLOCK16,
     MIXED,
     assert_is_transformers_own,

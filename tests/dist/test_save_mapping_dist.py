@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from hp_dcp_hf.tools.launch import run_ranks
-from tests.test_save_mapping import ALL_CASES, CASES, MIXTRAL, assert_same_weights, weights, write_checkpoint
+from tests.support.save_cases import ALL_CASES, CASES, MIXTRAL, assert_same_weights, weights, write_checkpoint
 
 LAYOUTS = ("shard0", "strided")
 SAVES = ("recorded", "given")
@@ -34,7 +34,7 @@ def _save(rank: int, world: int, checkpoints: dict[str, str], out: str) -> dict[
     )
     from tests.support.families import family_model_class
     from tests.support.layouts import apply_layout
-    from tests.test_save_mapping import build_source, case_mapping
+    from tests.support.save_cases import build_source, case_mapping
 
     written = {}
 

@@ -11,7 +11,7 @@ import torch
 
 from hp_dcp_hf.tools.launch import run_ranks
 from tests.support import titan
-from tests.test_save import assert_same_checkpoint
+from tests.support.checkpoints import assert_same_checkpoint
 
 L = titan.Layout
 CASES = {  # world: (family, layout) pairs, each run once in one launch of that world

@@ -60,6 +60,10 @@ from typing import Any
 
 import torch
 
+from hp_dcp_hf.geometry.shards import (
+    keep_shard_geometry,
+)
+
 __all__ = [
     "EXPECTED_CONVERSION_OPS",
     "MODEL_TYPES",
@@ -224,6 +228,8 @@ TINY_MODELS: dict[str, TinyModel] = {
         "fused self_attn.in_proj -> Chunk(dim=0) + PermuteForRope on q/k",
     ),
 }
+
+DEFAULT_SHARD_SIZE = "20KB"  # the test checkpoints' max_shard_size: several files even for tiny models
 
 MODEL_TYPES: tuple[str, ...] = tuple(TINY_MODELS)
 
@@ -398,3 +404,17 @@ def read_checkpoint(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     for file in checkpoint_files(path):
         out.update(load_file(file))
     return out
+
+
+def replace_parameters(model: torch.nn.Module, make) -> None:
+    """Every parameter replaced by ``make(param)`` (tied parameters by one), and the shard geometry
+    kept through ``state_dict()``."""
+    done: dict[int, torch.nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is None:
+                continue
+            if id(param) not in done:
+                done[id(param)] = make(param)
+            module._parameters[name] = done[id(param)]
+    keep_shard_geometry(model)

@@ -18,14 +18,18 @@ the oracle of every quantized load.
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.support.families import build_family_model, save_family_model
+import hp_dcp_hf
+from hp_dcp_hf.errors import QuantizationError
+from tests.support.families import build_family_model, family_model_class, save_family_model
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
@@ -185,3 +189,35 @@ def make_mxfp4_checkpoint(directory: Path, *, hidden_size: int = 64, intermediat
         return {f"{key}_blocks": blocks, f"{key}_scales": scales}, dequantized
 
     return _write_pair(model.eval(), directory, quantize, {"quant_method": "mxfp4"})
+
+
+def _edit(checkpoint_path, destination, edit_tensors=None, edit_config=None):
+    shutil.copytree(checkpoint_path, destination)
+    if edit_tensors is not None:
+        index = json.loads((destination / "model.safetensors.index.json").read_text())
+        for file in sorted(set(index["weight_map"].values())):
+            tensors = load_file(destination / file)
+            edited = edit_tensors(dict(tensors))
+            save_file(edited, destination / file, metadata={"format": "pt"})
+            for key in set(tensors) - set(edited):
+                del index["weight_map"][key]
+        (destination / "model.safetensors.index.json").write_text(json.dumps(index))
+    if edit_config is not None:
+        config = json.loads((destination / "config.json").read_text())
+        edit_config(config)
+        (destination / "config.json").write_text(json.dumps(config))
+    return destination
+
+
+def assert_refused_before_any_write(model_type: str, twin, bad, key: str | None, reason: str) -> None:
+    """Loading ``bad`` into the bf16 model of ``twin``'s config raises a QuantizationError naming
+    ``key`` (else config.json) and ``reason``, and leaves the model as it was."""
+    model = family_model_class(model_type)._from_config(hp_dcp_hf.model.config.read_config(str(twin)), dtype=torch.bfloat16)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(QuantizationError) as raised:
+        hp_dcp_hf.load_hf_checkpoint(model, str(bad))
+    assert reason in str(raised.value)
+    assert raised.value.key == key
+    if key is None:
+        assert raised.value.file == "config.json"
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())

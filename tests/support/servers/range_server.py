@@ -41,6 +41,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
+import torch
+from torch.distributed.checkpoint.planner import ReadItem
+
 _RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
 
 
@@ -332,3 +335,16 @@ class StaticRangeServer(RangeServer):
         if self.root not in target.parents or not target.is_file():
             return Error(404, "not found")
         return Resource(target.read_bytes())
+
+
+class _Into:
+    """The planner side of ``read_data``: one destination per item."""
+
+    def __init__(self, dests: dict[str, torch.Tensor]) -> None:
+        self.dests = dests
+
+    def resolve_tensor(self, item: ReadItem) -> torch.Tensor:
+        return self.dests[item.dest_index.fqn]
+
+    def commit_tensor(self, item: ReadItem, tensor: torch.Tensor) -> None:
+        pass

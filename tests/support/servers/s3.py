@@ -141,3 +141,13 @@ class MotoS3:
                 )
             )
         return out
+
+
+def objects(moto, prefix: str) -> dict[str, bytes]:
+    listed = moto.client.list_objects_v2(Bucket=BUCKET, Prefix=prefix + "/").get("Contents", [])
+    return {o["Key"].removeprefix(prefix + "/"): moto.client.get_object(Bucket=BUCKET, Key=o["Key"])["Body"].read()
+            for o in listed}
+
+
+def pending_uploads(moto) -> list[str]:
+    return [u["Key"] for u in moto.client.list_multipart_uploads(Bucket=BUCKET).get("Uploads", [])]
