@@ -1,0 +1,107 @@
+"""Every example of README.md and docs/ runs, as the page shows it (rules: tests/support/docs.py).
+
+The runnable blocks are grouped by their number of ranks and each group runs in one launch of gloo
+ranks on CPU (the ranks import torch once, not once per example); each example still gets a
+process group and a working directory of its own.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+
+from hp_dcp_hf.tools.launch import run_ranks
+from tests.support.docs import Block, DocsFormatError, blocks, run_examples
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]
+BLOCKS = [block for page in PAGES for block in blocks(ROOT, page)]
+RUNNABLE = [block for block in BLOCKS if block.run]
+
+
+def _adapter(root: Path) -> tuple[Path, Path]:
+    """A tiny float32 llama and a LoRA adapter of it, each written by its library's save_pretrained."""
+    from peft import LoraConfig, get_peft_model
+
+    from tests.support.models import build_model, make_checkpoint
+
+    base = make_checkpoint("llama", root / "base", dtype=torch.float32)
+    config = LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, target_modules=["q_proj", "v_proj"])
+    get_peft_model(build_model("llama", dtype=torch.float32), config).save_pretrained(root / "adapter")
+    return base, root / "adapter"
+
+
+@pytest.fixture(scope="module")
+def directories(tmp_path_factory, tiny_checkpoints) -> dict[str, Path]:
+    """What the examples' ``given`` names hold (tests/support/docs.py's GIVEN), built once."""
+    from tests.support.quantized import make_fp8_checkpoint, make_mxfp4_checkpoint
+
+    needed = {name for block in RUNNABLE for name in block.given}
+    made: dict[str, Path] = {"path": tiny_checkpoints("mixtral").path}
+    if needed & {"base-model/", "my-adapter/"}:
+        made["base-model/"], made["my-adapter/"] = _adapter(tmp_path_factory.mktemp("peft"))
+    if "deepseek-v3-fp8/" in needed:
+        made["deepseek-v3-fp8/"] = make_fp8_checkpoint("deepseek_v3", tmp_path_factory.mktemp("fp8")).path
+    if "gpt-oss-20b/" in needed:
+        made["gpt-oss-20b/"] = make_mxfp4_checkpoint(tmp_path_factory.mktemp("mxfp4")).path
+    return made
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory, directories) -> dict[str, list[str | None]]:
+    """Each runnable example's traceback per rank (None: it ran), all groups run once."""
+    groups: dict[int, list[tuple[Block, str]]] = defaultdict(list)
+    for block in RUNNABLE:
+        cwd = tmp_path_factory.mktemp(block.name.replace("/", "_").replace(":", "_"))
+        for name in block.given:
+            if name.endswith("/"):
+                (cwd / name.rstrip("/")).symlink_to(directories[name], target_is_directory=True)
+        groups[block.ranks].append((block, str(cwd)))
+    values = {"path": str(directories["path"])}
+    results: dict[str, list[str | None]] = {}
+    for world, examples in sorted(groups.items()):
+        per_rank = run_ranks(world, run_examples, examples, values, timeout=120 + 60 * len(examples))
+        for i, (block, _) in enumerate(examples):
+            results[block.name] = [errors[i] for errors in per_rank]
+    return results
+
+
+@pytest.mark.parametrize("block", RUNNABLE, ids=[block.name for block in RUNNABLE])
+def test_example_runs(block: Block, outcomes):
+    failed = {rank: error for rank, error in enumerate(outcomes[block.name]) if error}
+    assert not failed, f"{block.name} on {block.ranks} rank(s) failed:\n" + "\n".join(
+        f"rank {rank}:\n{error}" for rank, error in failed.items())
+
+
+def test_every_page_has_examples_and_every_skip_a_reason():
+    assert all(block.reason for block in BLOCKS if not block.run)
+    pages = {block.file for block in RUNNABLE}
+    assert "README.md" in pages and len(RUNNABLE) >= 20, (pages, len(RUNNABLE))
+
+
+@pytest.mark.parametrize(
+    "page, error",
+    [
+        ("```bash\nmake test\n```\n", "needs <!-- no-run: why -->"),
+        ("```\nx = 1\n```\n", "info string"),
+        ("<!-- no-run: -->\n```python\nx = 1\n```\n", "needs its reason"),
+        ("<!-- example: ranks=2 -->\n\n```python\nx = 1\n```\n", "just before a block"),
+        ("<!-- example: given=weights -->\n```python\nx = 1\n```\n", "not in"),
+        ("<!-- example: ranks=2 -->\n```bash\nmake test\n```\n", "only python blocks run"),
+    ],
+)
+def test_unmarked_or_badly_marked_blocks_are_refused(tmp_path, page, error):
+    (tmp_path / "page.md").write_text(page)
+    with pytest.raises(DocsFormatError, match=error):
+        blocks(tmp_path, "page.md")
+
+
+def test_an_unmarked_python_block_is_an_example_that_runs(tmp_path):
+    (tmp_path / "page.md").write_text("text\n\n```python\nraise SystemExit(1)\n```\n")
+    (block,) = blocks(tmp_path, "page.md")
+    assert block.run and block.ranks == 1 and block.given == ()
+    [[error]] = run_ranks(1, run_examples, [(block, str(tmp_path))], {})
+    assert "SystemExit" in error
