@@ -51,7 +51,7 @@ def directories(tmp_path_factory, tiny_checkpoints) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def outcomes(tmp_path_factory, directories) -> dict[str, list[str | None]]:
+def outcomes(request, tmp_path_factory, directories) -> dict[str, list[str | None]]:
     """Each runnable example's traceback per rank (None: it ran), all groups run once."""
     groups: dict[int, list[tuple[Block, str]]] = defaultdict(list)
     for block in RUNNABLE:
@@ -61,6 +61,8 @@ def outcomes(tmp_path_factory, directories) -> dict[str, list[str | None]]:
                 (cwd / name.rstrip("/")).symlink_to(directories[name], target_is_directory=True)
         groups[block.ranks].append((block, str(cwd)))
     values = {"path": str(directories["path"])}
+    if any("s3_options" in block.given for block in RUNNABLE):
+        values["s3_options"] = request.getfixturevalue("moto").storage_options()
     results: dict[str, list[str | None]] = {}
     for world, examples in sorted(groups.items()):
         per_rank = run_ranks(world, run_examples, examples, values, timeout=120 + 60 * len(examples))

@@ -8,7 +8,7 @@ never run) or ``bash`` (commands). The line just before a block may carry one ma
 
 A python block with no marker runs in one process with nothing defined. A bash block runs never,
 so it needs ``no-run`` and its reason. ``given`` names what the prose around a fragment assumes
-(:data:`GIVEN`): ``path`` and ``model`` are values; a name ending in ``/`` is a directory the
+(:data:`GIVEN`): ``path``, ``model`` and ``s3_options`` are values; a name ending in ``/`` is a directory the
 example's working directory holds. Each example runs in a working directory of its own, its
 process group set up as ``torchrun`` does (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ...):
 an example that calls ``init_process_group`` itself gets the environment only.
@@ -37,6 +37,7 @@ GIVEN = {
     "path": "a tiny bf16 Mixtral checkpoint (its directory, a str)",
     "model": "the model of that checkpoint, built from its config.json by transformers on this rank",
     "batches": "a list of two [2, 8] batches of token ids",
+    "s3_options": "s3fs options of a local S3 server (moto) that has a bucket named checkpoints",
     "base-model/": "a tiny float32 llama checkpoint",
     "my-adapter/": "a LoRA adapter of it (peft's save_pretrained)",
     "deepseek-v3-fp8/": "a tiny DeepSeek-V3 checkpoint, FP8 block-scaled",
@@ -132,6 +133,8 @@ def _given(names: tuple[str, ...], values: dict[str, str]) -> dict:
         from transformers import AutoConfig, AutoModelForCausalLM
 
         namespace["model"] = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(values["path"]))
+    if "s3_options" in names:
+        namespace["s3_options"] = values["s3_options"]
     if "batches" in names:
         generator = torch.Generator().manual_seed(0)
         namespace["batches"] = [torch.randint(0, 100, (2, 8), generator=generator) for _ in range(2)]
