@@ -1,12 +1,15 @@
 """Every example of README.md and docs/ runs, as the page shows it (rules: tests/support/docs.py).
 
-The runnable blocks are grouped by their number of ranks and each group runs in one launch of gloo
+The python examples are grouped by their number of ranks and each group runs in one launch of gloo
 ranks on CPU (the ranks import torch once, not once per example); each example still gets a
-process group and a working directory of its own.
+process group and a working directory of its own. A bash example runs in ``bash -e`` there.
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -20,6 +23,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PAGES = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]
 BLOCKS = [block for page in PAGES for block in blocks(ROOT, page)]
 RUNNABLE = [block for block in BLOCKS if block.run]
+PYTHON = [block for block in RUNNABLE if block.language == "python"]
+SHELL = [block for block in RUNNABLE if block.language == "bash"]
 
 
 def _adapter(root: Path) -> tuple[Path, Path]:
@@ -41,6 +46,7 @@ def directories(tmp_path_factory, tiny_checkpoints) -> dict[str, Path]:
 
     needed = {name for block in RUNNABLE for name in block.given}
     made: dict[str, Path] = {"path": tiny_checkpoints("mixtral").path}
+    made["tiny-mixtral/"] = made["path"]
     if needed & {"base-model/", "my-adapter/"}:
         made["base-model/"], made["my-adapter/"] = _adapter(tmp_path_factory.mktemp("peft"))
     if "deepseek-v3-fp8/" in needed:
@@ -51,15 +57,23 @@ def directories(tmp_path_factory, tiny_checkpoints) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def outcomes(request, tmp_path_factory, directories) -> dict[str, list[str | None]]:
-    """Each runnable example's traceback per rank (None: it ran), all groups run once."""
-    groups: dict[int, list[tuple[Block, str]]] = defaultdict(list)
+def workdirs(tmp_path_factory, directories) -> dict[str, Path]:
+    """Each runnable example's own working directory, holding the directories its ``given`` names."""
+    made = {}
     for block in RUNNABLE:
-        cwd = tmp_path_factory.mktemp(block.name.replace("/", "_").replace(":", "_"))
+        made[block.name] = cwd = tmp_path_factory.mktemp(block.name.replace("/", "_").replace(":", "_"))
         for name in block.given:
             if name.endswith("/"):
                 (cwd / name.rstrip("/")).symlink_to(directories[name], target_is_directory=True)
-        groups[block.ranks].append((block, str(cwd)))
+    return made
+
+
+@pytest.fixture(scope="module")
+def outcomes(request, workdirs, directories) -> dict[str, list[str | None]]:
+    """Each python example's traceback per rank (None: it ran), all groups run once."""
+    groups: dict[int, list[tuple[Block, str]]] = defaultdict(list)
+    for block in PYTHON:
+        groups[block.ranks].append((block, str(workdirs[block.name])))
     values = {"path": str(directories["path"])}
     if any("s3_options" in block.given for block in RUNNABLE):
         values["s3_options"] = request.getfixturevalue("moto").storage_options()
@@ -71,7 +85,7 @@ def outcomes(request, tmp_path_factory, directories) -> dict[str, list[str | Non
     return results
 
 
-@pytest.mark.parametrize("block", RUNNABLE, ids=[block.name for block in RUNNABLE])
+@pytest.mark.parametrize("block", PYTHON, ids=[block.name for block in PYTHON])
 def test_example_runs(block: Block, outcomes):
     failed = {rank: error for rank, error in enumerate(outcomes[block.name]) if error}
     assert not failed, f"{block.name} on {block.ranks} rank(s) failed:\n" + "\n".join(
@@ -84,6 +98,16 @@ def test_every_page_has_examples_and_every_skip_a_reason():
     assert "README.md" in pages and len(RUNNABLE) >= 20, (pages, len(RUNNABLE))
 
 
+@pytest.mark.parametrize("block", SHELL, ids=[block.name for block in SHELL])
+def test_shell_example_runs(block: Block, workdirs):
+    """In bash -e, with this venv's hp-dcp-hf first on PATH and the worktree's package importable."""
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", block.source], cwd=workdirs[block.name], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, f"{block.name} exited {done.returncode}:\n{done.stdout}\n{done.stderr}"
+
+
 @pytest.mark.parametrize(
     "page, error",
     [
@@ -92,7 +116,9 @@ def test_every_page_has_examples_and_every_skip_a_reason():
         ("<!-- no-run: -->\n```python\nx = 1\n```\n", "needs its reason"),
         ("<!-- example: ranks=2 -->\n\n```python\nx = 1\n```\n", "just before a block"),
         ("<!-- example: given=weights -->\n```python\nx = 1\n```\n", "not in"),
-        ("<!-- example: ranks=2 -->\n```bash\nmake test\n```\n", "only python blocks run"),
+        ("<!-- example: ranks=2 -->\n```text\n$ ls\n```\n", "text blocks are output"),
+        ("<!-- example: ranks=2 -->\n```bash\nls\n```\n", "one process"),
+        ("<!-- example: given=path -->\n```bash\nls\n```\n", "given directories only"),
     ],
 )
 def test_unmarked_or_badly_marked_blocks_are_refused(tmp_path, page, error):

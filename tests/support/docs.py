@@ -4,10 +4,11 @@ Every fenced block has an info string: ``python`` (an example: it runs), ``text`
 never run) or ``bash`` (commands). The line just before a block may carry one marker comment:
 
     <!-- example: ranks=4 given=path,model -->   run on 4 gloo ranks, with these names defined
-    <!-- no-run: why -->                          not run (a bash block, a placeholder URL, ...)
+    <!-- no-run: why -->                          not run (placeholder paths, a whole test run, ...)
 
-A python block with no marker runs in one process with nothing defined. A bash block runs never,
-so it needs ``no-run`` and its reason. ``given`` names what the prose around a fragment assumes
+A python block with no marker runs in one process with nothing defined. A bash block needs a
+marker: ``no-run`` and its reason, or ``example`` to run it in ``bash -e`` (one process; its
+``given`` can only be directories). ``given`` names what the prose around a fragment assumes
 (:data:`GIVEN`): ``path``, ``model`` and ``s3_options`` are values; a name ending in ``/`` is a directory the
 example's working directory holds. Each example runs in a working directory of its own, its
 process group set up as ``torchrun`` does (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ...):
@@ -38,6 +39,7 @@ GIVEN = {
     "model": "the model of that checkpoint, built from its config.json by transformers on this rank",
     "batches": "a list of two [2, 8] batches of token ids",
     "s3_options": "s3fs options of a local S3 server (moto) that has a bucket named checkpoints",
+    "tiny-mixtral/": "the same checkpoint as path, as a directory of the example's own",
     "base-model/": "a tiny float32 llama checkpoint",
     "my-adapter/": "a LoRA adapter of it (peft's save_pretrained)",
     "deepseek-v3-fp8/": "a tiny DeepSeek-V3 checkpoint, FP8 block-scaled",
@@ -75,8 +77,8 @@ def _marker(file: str, line: int, language: str, kind: str, text: str) -> dict:
         if not text:
             raise DocsFormatError(f"{file}:{line}: no-run needs its reason")
         return {"run": False, "reason": text}
-    if language != "python":
-        raise DocsFormatError(f"{file}:{line}: only python blocks run, not {language!r}")
+    if language == "text":
+        raise DocsFormatError(f"{file}:{line}: text blocks are output, they never run")
     fields: dict = {"run": True}
     for item in text.split():
         key, _, value = item.partition("=")
@@ -89,6 +91,8 @@ def _marker(file: str, line: int, language: str, kind: str, text: str) -> dict:
                 raise DocsFormatError(f"{file}:{line}: given names {unknown} not in {sorted(GIVEN)}")
         else:
             raise DocsFormatError(f"{file}:{line}: unknown example field {item!r}")
+    if language == "bash" and (fields.get("ranks", 1) != 1 or any(not g.endswith("/") for g in fields.get("given", ()))):
+        raise DocsFormatError(f"{file}:{line}: a bash example runs in one process, given directories only")
     return fields
 
 
