@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from hp_dcp_hf.tools.launch import run_ranks
-from tests.support.docs import Block, DocsFormatError, blocks, run_examples
+from tests.support.docs import Block, DocsFormatError, blocks, run_examples, transcript
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]
@@ -25,6 +25,7 @@ BLOCKS = [block for page in PAGES for block in blocks(ROOT, page)]
 RUNNABLE = [block for block in BLOCKS if block.run]
 PYTHON = [block for block in RUNNABLE if block.language == "python"]
 SHELL = [block for block in RUNNABLE if block.language == "bash"]
+TRANSCRIPTS = [block for block in RUNNABLE if block.language == "text"]
 
 
 def _adapter(root: Path) -> tuple[Path, Path]:
@@ -98,14 +99,26 @@ def test_every_page_has_examples_and_every_skip_a_reason():
     assert "README.md" in pages and len(RUNNABLE) >= 20, (pages, len(RUNNABLE))
 
 
-@pytest.mark.parametrize("block", SHELL, ids=[block.name for block in SHELL])
-def test_shell_example_runs(block: Block, workdirs):
-    """In bash -e, with this venv's hp-dcp-hf first on PATH and the worktree's package importable."""
+def _bash(command: str, cwd: Path) -> subprocess.CompletedProcess:
+    """``command`` in bash -e, with this venv's hp-dcp-hf first on PATH and this checkout's package."""
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", block.source], cwd=workdirs[block.name], env=env,
+    return subprocess.run(["bash", "-e", "-o", "pipefail", "-c", command], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("block", SHELL, ids=[block.name for block in SHELL])
+def test_shell_example_runs(block: Block, workdirs):
+    done = _bash(block.source, workdirs[block.name])
     assert done.returncode == 0, f"{block.name} exited {done.returncode}:\n{done.stdout}\n{done.stderr}"
+
+
+@pytest.mark.parametrize("block", TRANSCRIPTS, ids=[block.name for block in TRANSCRIPTS])
+def test_transcript_shows_what_the_commands_print(block: Block, workdirs):
+    for command, output in transcript(block.source):
+        done = _bash(command, workdirs[block.name])
+        printed = done.stdout + done.stderr
+        assert output.fullmatch(printed), f"{block.name}: {command!r} printed:\n{printed}"
 
 
 @pytest.mark.parametrize(
@@ -116,7 +129,7 @@ def test_shell_example_runs(block: Block, workdirs):
         ("<!-- no-run: -->\n```python\nx = 1\n```\n", "needs its reason"),
         ("<!-- example: ranks=2 -->\n\n```python\nx = 1\n```\n", "just before a block"),
         ("<!-- example: given=weights -->\n```python\nx = 1\n```\n", "not in"),
-        ("<!-- example: ranks=2 -->\n```text\n$ ls\n```\n", "text blocks are output"),
+        ("<!-- example -->\n```text\nls\n```\n", "starts with a '\\$ ' command"),
         ("<!-- example: ranks=2 -->\n```bash\nls\n```\n", "one process"),
         ("<!-- example: given=path -->\n```bash\nls\n```\n", "given directories only"),
     ],
@@ -133,3 +146,10 @@ def test_an_unmarked_python_block_is_an_example_that_runs(tmp_path):
     assert block.run and block.ranks == 1 and block.given == ()
     [[error]] = run_ranks(1, run_examples, [(block, str(tmp_path))], {})
     assert "SystemExit" in error
+
+
+def test_a_transcript_s_output_must_match_line_for_line_but_for_its_ellipses():
+    [(command, output)] = transcript("$ hp-dcp-hf plan x\nplan for x\n...\nlast line\n")
+    assert command == "hp-dcp-hf plan x"
+    assert output.fullmatch("plan for x\nlast line\n") and output.fullmatch("plan for x\na\nb\nlast line\n")
+    assert not output.fullmatch("plan for y\nlast line\n") and not output.fullmatch("plan for x\n")

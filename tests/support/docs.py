@@ -8,7 +8,8 @@ never run) or ``bash`` (commands). The line just before a block may carry one ma
 
 A python block with no marker runs in one process with nothing defined. A bash block needs a
 marker: ``no-run`` and its reason, or ``example`` to run it in ``bash -e`` (one process; its
-``given`` can only be directories). ``given`` names what the prose around a fragment assumes
+``given`` can only be directories). A text block marked ``example`` is a transcript: each ``$ ``
+line a command, the lines after it its output, where a line ``...`` stands for any lines. ``given`` names what the prose around a fragment assumes
 (:data:`GIVEN`): ``path``, ``model`` and ``s3_options`` are values; a name ending in ``/`` is a directory the
 example's working directory holds. Each example runs in a working directory of its own, its
 process group set up as ``torchrun`` does (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ...):
@@ -77,8 +78,6 @@ def _marker(file: str, line: int, language: str, kind: str, text: str) -> dict:
         if not text:
             raise DocsFormatError(f"{file}:{line}: no-run needs its reason")
         return {"run": False, "reason": text}
-    if language == "text":
-        raise DocsFormatError(f"{file}:{line}: text blocks are output, they never run")
     fields: dict = {"run": True}
     for item in text.split():
         key, _, value = item.partition("=")
@@ -91,8 +90,8 @@ def _marker(file: str, line: int, language: str, kind: str, text: str) -> dict:
                 raise DocsFormatError(f"{file}:{line}: given names {unknown} not in {sorted(GIVEN)}")
         else:
             raise DocsFormatError(f"{file}:{line}: unknown example field {item!r}")
-    if language == "bash" and (fields.get("ranks", 1) != 1 or any(not g.endswith("/") for g in fields.get("given", ()))):
-        raise DocsFormatError(f"{file}:{line}: a bash example runs in one process, given directories only")
+    if language != "python" and (fields.get("ranks", 1) != 1 or any(not g.endswith("/") for g in fields.get("given", ()))):
+        raise DocsFormatError(f"{file}:{line}: a {language} example runs in one process, given directories only")
     return fields
 
 
@@ -123,6 +122,8 @@ def blocks(root: Path, file: str) -> list[Block]:
             fields = {"run": False, "reason": "output"}
         else:
             raise DocsFormatError(f"{file}:{start + 1}: a {language} block needs <!-- no-run: why -->")
+        if language == "text" and fields["run"] and not lines[start + 1].startswith("$ "):
+            raise DocsFormatError(f"{file}:{start + 1}: a transcript starts with a '$ ' command line")
         found.append(Block(file, start + 1, language, "\n".join(lines[start + 1:end]) + "\n", **fields))
         i = end + 1
     return found
@@ -186,3 +187,16 @@ def run_examples(rank: int, world: int, examples: list[tuple[Block, str]], value
         _clear_sharding_prop_cache()
         errors.append(error)
     return errors
+
+
+def transcript(source: str) -> list[tuple[str, re.Pattern]]:
+    """A transcript's commands, each with the pattern its output (stdout and stderr) must match."""
+    steps: list[tuple[str, list[str]]] = []
+    for line in source.splitlines():
+        if line.startswith("$ "):
+            steps.append((line[2:], []))
+        else:
+            steps[-1][1].append(line)
+    return [(command, re.compile("\n".join(".*?" if line == "..." else re.escape(line) for line in output)
+                                 .replace("\n.*?\n", "(?:\n.*?)?\n").rstrip("\n") + r"\s*", re.DOTALL))
+            for command, output in steps]
