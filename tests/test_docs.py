@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from hp_dcp_hf.tools.launch import run_ranks
-from tests.support.docs import Block, DocsFormatError, blocks, run_examples, transcript
+from tests.support.docs import Block, DocsFormatError, blocks, broken_links, run_examples, transcript
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]
@@ -153,3 +153,14 @@ def test_a_transcript_s_output_must_match_line_for_line_but_for_its_ellipses():
     assert command == "hp-dcp-hf plan x"
     assert output.fullmatch("plan for x\nlast line\n") and output.fullmatch("plan for x\na\nb\nlast line\n")
     assert not output.fullmatch("plan for y\nlast line\n") and not output.fullmatch("plan for x\n")
+
+
+def test_every_relative_link_reaches_its_page_and_heading():
+    assert {page: broken for page in PAGES if (broken := broken_links(ROOT, page))} == {}
+
+
+def test_a_link_to_a_missing_page_or_heading_is_broken(tmp_path):
+    (tmp_path / "a.md").write_text("# A page\n\n## The `x=` option\n")
+    (tmp_path / "b.md").write_text("[ok](a.md#the-x-option) [page](c.md) [heading](a.md#the-y-option)\n"
+                                   "```python\nf(x)[0](y)\n```\n")
+    assert broken_links(tmp_path, "b.md") == ["c.md", "a.md#the-y-option"]

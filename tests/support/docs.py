@@ -200,3 +200,31 @@ def transcript(source: str) -> list[tuple[str, re.Pattern]]:
     return [(command, re.compile("\n".join(".*?" if line == "..." else re.escape(line) for line in output)
                                  .replace("\n.*?\n", "(?:\n.*?)?\n").rstrip("\n") + r"\s*", re.DOTALL))
             for command, output in steps]
+
+
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def anchor(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def broken_links(root: Path, file: str) -> list[str]:
+    """The relative links of ``root / file`` (outside code blocks) to a missing file or heading."""
+    text = (root / file).read_text()
+    prose = re.sub(r"^```.*?^```", "", text, flags=re.DOTALL | re.MULTILINE)
+    broken = []
+    for target in LINK.findall(prose):
+        if target.startswith(("http://", "https://", "mailto:")):
+            continue
+        page, _, fragment = target.partition("#")
+        linked = (root / file).parent / page if page else root / file
+        if not linked.exists():
+            broken.append(target)
+        elif fragment and linked.suffix == ".md":
+            headings = re.findall(r"^#+ (.*)$", re.sub(r"^```.*?^```", "", linked.read_text(),
+                                                         flags=re.DOTALL | re.MULTILINE), flags=re.MULTILINE)
+            if fragment not in {anchor(h) for h in headings}:
+                broken.append(target)
+    return broken
