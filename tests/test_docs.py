@@ -14,10 +14,17 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
-import torch
 
 from hp_dcp_hf.tools.launch import run_ranks
-from tests.support.docs import Block, DocsFormatError, blocks, broken_links, run_examples, transcript
+from tests.support.docs import (
+    Block,
+    DocsFormatError,
+    blocks,
+    broken_links,
+    run_examples,
+    transcript,
+    tree_modules,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]
@@ -28,28 +35,17 @@ SHELL = [block for block in RUNNABLE if block.language == "bash"]
 TRANSCRIPTS = [block for block in RUNNABLE if block.language == "text"]
 
 
-def _adapter(root: Path) -> tuple[Path, Path]:
-    """A tiny float32 llama and a LoRA adapter of it, each written by its library's save_pretrained."""
-    from peft import LoraConfig, get_peft_model
-
-    from tests.support.models import build_model, make_checkpoint
-
-    base = make_checkpoint("llama", root / "base", dtype=torch.float32)
-    config = LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, target_modules=["q_proj", "v_proj"])
-    get_peft_model(build_model("llama", dtype=torch.float32), config).save_pretrained(root / "adapter")
-    return base, root / "adapter"
-
-
 @pytest.fixture(scope="module")
 def directories(tmp_path_factory, tiny_checkpoints) -> dict[str, Path]:
     """What the examples' ``given`` names hold (tests/support/docs.py's GIVEN), built once."""
+    from tests.support.peft import make_adapter
     from tests.support.quantized import make_fp8_checkpoint, make_mxfp4_checkpoint
 
     needed = {name for block in RUNNABLE for name in block.given}
     made: dict[str, Path] = {"path": tiny_checkpoints("mixtral").path}
     made["tiny-mixtral/"] = made["path"]
     if needed & {"base-model/", "my-adapter/"}:
-        made["base-model/"], made["my-adapter/"] = _adapter(tmp_path_factory.mktemp("peft"))
+        made["base-model/"], made["my-adapter/"] = make_adapter("llama", tmp_path_factory.mktemp("peft"))
     if "deepseek-v3-fp8/" in needed:
         made["deepseek-v3-fp8/"] = make_fp8_checkpoint("deepseek_v3", tmp_path_factory.mktemp("fp8")).path
     if "gpt-oss-20b/" in needed:
@@ -71,19 +67,22 @@ def workdirs(tmp_path_factory, directories) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def outcomes(request, workdirs, directories) -> dict[str, list[str | None]]:
-    """Each python example's traceback per rank (None: it ran), all groups run once."""
+    """Each python example's traceback per rank (None: it ran), all groups run once; an example
+    the README repeats word for word from a docs page runs once for both."""
     groups: dict[int, list[tuple[Block, str]]] = defaultdict(list)
+    first: dict[tuple, Block] = {}
     for block in PYTHON:
-        groups[block.ranks].append((block, str(workdirs[block.name])))
+        if first.setdefault((block.source, block.ranks, block.given), block) is block:
+            groups[block.ranks].append((block, str(workdirs[block.name])))
     values = {"path": str(directories["path"])}
     if any("s3_options" in block.given for block in RUNNABLE):
         values["s3_options"] = request.getfixturevalue("moto").storage_options()
-    results: dict[str, list[str | None]] = {}
+    ran: dict[str, list[str | None]] = {}
     for world, examples in sorted(groups.items()):
         per_rank = run_ranks(world, run_examples, examples, values, timeout=120 + 60 * len(examples))
         for i, (block, _) in enumerate(examples):
-            results[block.name] = [errors[i] for errors in per_rank]
-    return results
+            ran[block.name] = [errors[i] for errors in per_rank]
+    return {block.name: ran[first[block.source, block.ranks, block.given].name] for block in PYTHON}
 
 
 @pytest.mark.parametrize("block", PYTHON, ids=[block.name for block in PYTHON])
@@ -164,3 +163,11 @@ def test_a_link_to_a_missing_page_or_heading_is_broken(tmp_path):
     (tmp_path / "b.md").write_text("[ok](a.md#the-x-option) [page](c.md) [heading](a.md#the-y-option)\n"
                                    "```python\nf(x)[0](y)\n```\n")
     assert broken_links(tmp_path, "b.md") == ["c.md", "a.md#the-y-option"]
+
+
+def test_the_architecture_page_draws_every_module_of_the_package_and_no_other():
+    """Each module, that is: a package's ``__init__.py`` may be drawn or not."""
+    package = {str(path.relative_to(ROOT)) for path in (ROOT / "hp_dcp_hf").rglob("*.py")}
+    drawn = tree_modules(ROOT, "docs/architecture.md")
+    package -= {name for name in package - drawn if name.endswith("/__init__.py")}
+    assert (sorted(package - drawn), sorted(drawn - package)) == ([], [])

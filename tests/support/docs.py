@@ -228,3 +228,21 @@ def broken_links(root: Path, file: str) -> list[str]:
             if fragment not in {anchor(h) for h in headings}:
                 broken.append(target)
     return broken
+
+
+def tree_modules(root: Path, file: str, heading: str = "## The tree") -> set[str]:
+    """The module paths the first text block after ``heading`` draws as an indented tree (two
+    spaces a level; a name ending in ``/`` opens a folder; what follows a name is its description)."""
+    text = (root / file).read_text()
+    block = text[text.index(heading):].split("```text\n", 1)[1].split("```", 1)[0]
+    folders: list[str] = []
+    found = set()
+    for line in block.splitlines():
+        name = line.strip().split(" ", 1)[0]
+        depth = (len(line) - len(line.lstrip(" "))) // 2
+        del folders[depth:]
+        if name.endswith("/"):
+            folders.append(name.rstrip("/"))
+        elif name.endswith(".py"):
+            found.add("/".join([*folders, name]))
+    return found
