@@ -171,3 +171,8 @@ def test_the_architecture_page_draws_every_module_of_the_package_and_no_other():
     drawn = tree_modules(ROOT, "docs/architecture.md")
     package -= {name for name in package - drawn if name.endswith("/__init__.py")}
     assert (sorted(package - drawn), sorted(drawn - package)) == ([], [])
+
+
+def test_the_readme_links_every_page_of_the_manual():
+    readme = (ROOT / "README.md").read_text()
+    assert [page for page in PAGES[1:] if f"]({page})" not in readme] == []
