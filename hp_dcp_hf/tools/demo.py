@@ -129,84 +129,110 @@ def _quantize_fp8(path: Path) -> None:
 
 def _rank_main(rank: int, world: int, port: int, ckpt: str, mesh_spec: str, transforms: list[str],
                reference: bool, out_dir: str, timeout: float = 900) -> None:
+    """One rank of the demo: both loaders' loads, the save and its reload, the forwards; its results
+    in ``rank{N}.json`` of ``out_dir``."""
     from datetime import timedelta
 
     import torch
     import torch.distributed as dist
 
-    from hp_dcp_hf.geometry.shards import local_tensor
-    from hp_dcp_hf.integrations.transformers import from_pretrained
-    from hp_dcp_hf.storage.read.recording import RecordingReader
-    from hp_dcp_hf.tools.planning import parallelize_for
-    from hp_dcp_hf.tools.progress import progress_planner
-
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=timeout))
     try:
-        loads: dict[str, Any] = {}
-        models = {}
-        layout: list[str] = []
-        coordinate: tuple[int, ...] = ()
-        for loader in ("dcp", "legacy"):
-            parallelize = parallelize_for(mesh_spec)
-            reader = RecordingReader(ckpt)
-            start = time.perf_counter()
-            model, report = from_pretrained(
-                ckpt, dtype=DEMO_DTYPE, transforms=transforms, parallelize=parallelize, loader=loader,
-                reader=reader, planner_cls=progress_planner(rank == 0, desc=f"rank 0, {loader} loader"),
-            )
-            layout, coordinate = parallelize.describe(), parallelize.coordinate
-            models[loader] = model
-            loads[loader] = {
-                "bytes_needed": report.plan.bytes_needed, "bytes_read": report.read.bytes_read,
-                "requests": report.read.requests, "ranges": report.read.ranges,
-                "header_bytes": report.read.header_bytes, "load_s": report.seconds["load"],
-                "read_s": report.seconds["read"],
-                "total_s": time.perf_counter() - start, "reads": sorted(reader.reads),
-                "loaded": len(report.loaded_keys), "missing": list(report.missing_keys),
-                "unexpected": list(report.unexpected_keys), "initialized": list(report.initialized_keys),
-            }
-        # Save the loaded model under the same layout (one parallel write pass), load it back.
-        from hp_dcp_hf.save.api import save_hf_checkpoint
-        from hp_dcp_hf.storage import HFStorageWriter
-
-        saved_path = str(Path(out_dir) / "saved")
-        # bf16 as the checkpoint holds its values (an FP8 checkpoint's values need the model's float32)
-        quantized = "quantization_config" in json.loads(Path(ckpt, "config.json").read_text())
-        writer = HFStorageWriter(saved_path, max_shard_size=SHARD_SIZE, dtype=None if quantized else torch.bfloat16)
-        start = time.perf_counter()
-        save_hf_checkpoint(models["dcp"], saved_path, writer=writer)
-        save = {"bytes_written": writer.bytes_written, "save_s": time.perf_counter() - start}
-        reloaded, _ = from_pretrained(saved_path, dtype=DEMO_DTYPE, transforms=transforms,
-                                      parallelize=parallelize_for(mesh_spec))
-        state = models["dcp"].state_dict()
-        again = reloaded.state_dict()
-        save["mismatched"] = sorted(k for k, v in state.items() if not torch.equal(local_tensor(v), local_tensor(again[k])))
-        del reloaded, again
-        legacy_state = models["legacy"].state_dict()
-        mismatched = sorted(k for k, v in state.items() if not torch.equal(local_tensor(v), local_tensor(legacy_state[k])))
+        models, loads, layout, coordinate = _load_both(rank, ckpt, mesh_spec, transforms)
+        save = _save_and_reload(models["dcp"], ckpt, mesh_spec, transforms, out_dir)
         ids = torch.randint(DEMO_CONFIG["vocab_size"], (2, 32), generator=torch.Generator().manual_seed(0))
         with torch.no_grad():
             logits = models["dcp"](input_ids=ids).logits
             legacy_logits = models["legacy"](input_ids=ids).logits
+        state = models["dcp"].state_dict()
         result = {
             "rank": rank, "coordinate": list(coordinate), "layout": layout,
-            "dcp": loads["dcp"], "legacy": loads["legacy"], "save": save, "tensors": len(state), "mismatched": mismatched,
+            "dcp": loads["dcp"], "legacy": loads["legacy"], "save": save, "tensors": len(state),
+            "mismatched": _mismatched(state, models["legacy"].state_dict()),
             "logits_equal": bool(torch.equal(logits, legacy_logits)),
             "logits_finite": bool(logits.isfinite().all()),
         }
     finally:
         dist.destroy_process_group()
     if reference and rank == 0:
-        from transformers import MixtralForCausalLM
-
-        ref = MixtralForCausalLM.from_pretrained(ckpt, dtype=getattr(torch, DEMO_DTYPE)).eval()
-        with torch.no_grad():
-            ref_logits = ref(input_ids=ids).logits
-        result["reference"] = {"max_abs_diff": float((logits - ref_logits).abs().max()),
-                               "max_abs": float(ref_logits.abs().max())}
+        result["reference"] = _reference(ckpt, ids, logits)
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def _load_both(rank: int, ckpt: str, mesh_spec: str, transforms: list[str]):
+    """The model loaded by each loader (``dcp``, ``legacy``), what each load measured (with every
+    byte range it read), and the layout and this rank's coordinate on the mesh."""
+    from hp_dcp_hf.integrations.transformers import from_pretrained
+    from hp_dcp_hf.storage.read.recording import RecordingReader
+    from hp_dcp_hf.tools.planning import parallelize_for
+    from hp_dcp_hf.tools.progress import progress_planner
+
+    loads: dict[str, Any] = {}
+    models = {}
+    for loader in ("dcp", "legacy"):
+        parallelize = parallelize_for(mesh_spec)
+        reader = RecordingReader(ckpt)
+        start = time.perf_counter()
+        model, report = from_pretrained(
+            ckpt, dtype=DEMO_DTYPE, transforms=transforms, parallelize=parallelize, loader=loader,
+            reader=reader, planner_cls=progress_planner(rank == 0, desc=f"rank 0, {loader} loader"),
+        )
+        models[loader] = model
+        loads[loader] = {
+            "bytes_needed": report.plan.bytes_needed, "bytes_read": report.read.bytes_read,
+            "requests": report.read.requests, "ranges": report.read.ranges,
+            "header_bytes": report.read.header_bytes, "load_s": report.seconds["load"],
+            "read_s": report.seconds["read"],
+            "total_s": time.perf_counter() - start, "reads": sorted(reader.reads),
+            "loaded": len(report.loaded_keys), "missing": list(report.missing_keys),
+            "unexpected": list(report.unexpected_keys), "initialized": list(report.initialized_keys),
+        }
+    return models, loads, parallelize.describe(), parallelize.coordinate
+
+
+def _save_and_reload(model: Any, ckpt: str, mesh_spec: str, transforms: list[str], out_dir: str) -> dict[str, Any]:
+    """Save ``model`` under the same layout (one parallel write pass) into ``out_dir/saved``, load it
+    back: the bytes this rank wrote, the seconds, the tensors that differ after the reload."""
+    import torch
+
+    from hp_dcp_hf.integrations.transformers import from_pretrained
+    from hp_dcp_hf.save.api import save_hf_checkpoint
+    from hp_dcp_hf.storage import HFStorageWriter
+    from hp_dcp_hf.tools.planning import parallelize_for
+
+    saved_path = str(Path(out_dir) / "saved")
+    # bf16 as the checkpoint holds its values (an FP8 checkpoint's values need the model's float32)
+    quantized = "quantization_config" in json.loads(Path(ckpt, "config.json").read_text())
+    writer = HFStorageWriter(saved_path, max_shard_size=SHARD_SIZE, dtype=None if quantized else torch.bfloat16)
+    start = time.perf_counter()
+    save_hf_checkpoint(model, saved_path, writer=writer)
+    save = {"bytes_written": writer.bytes_written, "save_s": time.perf_counter() - start}
+    reloaded, _ = from_pretrained(saved_path, dtype=DEMO_DTYPE, transforms=transforms,
+                                  parallelize=parallelize_for(mesh_spec))
+    save["mismatched"] = _mismatched(model.state_dict(), reloaded.state_dict())
+    return save
+
+
+def _mismatched(state: dict[str, Any], other: dict[str, Any]) -> list[str]:
+    """The keys of ``state`` whose local shards are not bit-identical to ``other``'s."""
+    import torch
+
+    from hp_dcp_hf.geometry.shards import local_tensor
+
+    return sorted(k for k, v in state.items() if not torch.equal(local_tensor(v), local_tensor(other[k])))
+
+
+def _reference(ckpt: str, ids: Any, logits: Any) -> dict[str, float]:
+    """Rank 0's logits against transformers' single-process ``from_pretrained`` of the checkpoint."""
+    import torch
+    from transformers import MixtralForCausalLM
+
+    ref = MixtralForCausalLM.from_pretrained(ckpt, dtype=getattr(torch, DEMO_DTYPE)).eval()
+    with torch.no_grad():
+        ref_logits = ref(input_ids=ids).logits
+    return {"max_abs_diff": float((logits - ref_logits).abs().max()), "max_abs": float(ref_logits.abs().max())}
 
 
 # -- picture -----------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ those :class:`HFStorageReader` issues for them.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -22,7 +22,7 @@ from hp_dcp_hf.tools.fake_ranks import fake_rank, register_fake_backend
 from hp_dcp_hf.tools.formatting import describe_quantization
 
 if TYPE_CHECKING:
-    from hp_dcp_hf.load.planner import Unexpected
+    from hp_dcp_hf.load.planner import HFMappingPlanner, Unexpected
     from hp_dcp_hf.parallel import TransformersPlans
     from hp_dcp_hf.storage import HFStorageReader
     from hp_dcp_hf.storage.read.spans import ClusterPlan, Traffic
@@ -120,28 +120,7 @@ def plan_ranks(
             coordinate = parallelize.coordinate
             layout = parallelize.describe()
             unused = planner.reported_unexpected  # every rank's model uses the same checkpoint tensors
-        requests = reader.plan_requests(items)
-        plan = RankPlan(
-            rank, coordinate,
-            targets=planner.stats.targets, read_items=planner.stats.read_items,
-            bytes_needed=planner.stats.bytes_needed,
-            bytes_to_read=sum(r.nbytes for _, r in requests),
-            ranges=sum(len(r.pieces) for _, r in requests),
-            requests=len(requests),
-            deferred_targets=planner.stats.deferred_targets, deferred_bytes=planner.stats.deferred_bytes,
-            quantized_bytes=planner.stats.quantized_bytes, scale_bytes=planner.stats.scale_bytes,
-            reads=[(f, r.start, r.end) for f, r in requests],
-        )
-        per_file: dict[str, dict[str, int]] = defaultdict(lambda: {"bytes": 0, "requests": 0})
-        for file, request in requests:
-            per_file[file]["bytes"] += request.nbytes
-            per_file[file]["requests"] += 1
-        plan.files = dict(sorted(per_file.items()))
-        if with_items:
-            plan.items = [{"key": i.storage_index.fqn, "offsets": list(i.storage_offsets),
-                           "lengths": list(i.lengths), "target": i.dest_index.fqn,
-                           "target_offsets": list(i.dest_offsets)} for i in items]
-        ranks.append(plan)
+        ranks.append(_direct_plan(rank, coordinate, planner, reader.plan_requests(items), items if with_items else ()))
     spans, shares = reader.plan_spans(items_by_rank)
     if cooperate:
         _plan_cooperation(reader, spans, shares, ranks)
@@ -162,6 +141,35 @@ def plan_ranks(
         "cluster": _cluster_reads(ranks, int(spans.needed.sum()), cooperate),
         "ranks": ranks,
     }
+
+
+def _direct_plan(rank: int, coordinate: tuple[int, ...], planner: HFMappingPlanner,
+                 requests: Sequence[tuple[str, Any]], items: Sequence[Any]) -> RankPlan:
+    """Rank ``rank``'s plan reading directly: its planner's figures, and the requests its reader
+    issues for them (``items``: the read items to list, none unless asked for)."""
+    stats = planner.stats
+    return RankPlan(
+        rank, coordinate,
+        targets=stats.targets, read_items=stats.read_items, bytes_needed=stats.bytes_needed,
+        bytes_to_read=sum(r.nbytes for _, r in requests),
+        ranges=sum(len(r.pieces) for _, r in requests),
+        requests=len(requests),
+        deferred_targets=stats.deferred_targets, deferred_bytes=stats.deferred_bytes,
+        quantized_bytes=stats.quantized_bytes, scale_bytes=stats.scale_bytes,
+        files=_per_file((file, r.nbytes, 1) for file, r in requests),
+        items=[{"key": i.storage_index.fqn, "offsets": list(i.storage_offsets), "lengths": list(i.lengths),
+                "target": i.dest_index.fqn, "target_offsets": list(i.dest_offsets)} for i in items],
+        reads=[(f, r.start, r.end) for f, r in requests],
+    )
+
+
+def _per_file(reads: Iterable[tuple[str, int, int]]) -> dict[str, dict[str, int]]:
+    """``(file, bytes, requests)`` of each read -> per file (sorted by name), its bytes and requests."""
+    per_file: dict[str, dict[str, int]] = defaultdict(lambda: {"bytes": 0, "requests": 0})
+    for file, nbytes, requests in reads:
+        per_file[file]["bytes"] += nbytes
+        per_file[file]["requests"] += requests
+    return dict(sorted(per_file.items()))
 
 
 def _cluster_reads(ranks: Sequence[RankPlan], needed_once: int, cooperative: bool) -> dict[str, Any]:
@@ -196,11 +204,8 @@ def _plan_cooperation(reader: HFStorageReader, spans: ClusterPlan, shares: Seque
         plan.bytes_from_peers, plan.bytes_to_peers = share.received, share.sent
         owned = spans.owned(plan.rank).tolist()
         plan.reads = [(spans.files[int(spans.file[i])], int(spans.start[i]), int(spans.end[i])) for i in owned]
-        per_file: dict[str, dict[str, int]] = defaultdict(lambda: {"bytes": 0, "requests": 0})
-        for file, start, end in plan.reads:
-            per_file[file]["bytes"] += end - start
-            per_file[file]["requests"] += -(-(end - start) // reader.request_bytes)
-        plan.files = dict(sorted(per_file.items()))
+        plan.files = _per_file((file, end - start, -(-(end - start) // reader.request_bytes))
+                               for file, start, end in plan.reads)
 
 
 def rank_model(sizes: Mapping[str, int], config: Any, model_cls: type, dtype: torch.dtype,
