@@ -21,7 +21,7 @@ import torch
 from hp_dcp_hf.tools.cli import main
 from hp_dcp_hf.tools.formatting import fmt_bytes
 from hp_dcp_hf.tools.launch import run_ranks
-from hp_dcp_hf.tools.planning import plan_ranks
+from hp_dcp_hf.tools.rank_plans import plan_ranks
 from tests.support.models import MODEL_TYPES, checkpoint_files, checkpoint_keys
 
 REPO = Path(__file__).resolve().parent.parent
@@ -462,7 +462,7 @@ def test_plan_every_model_type(capsys, tiny_checkpoints, model_type):
 def _real_load(rank: int, world: int, cases: dict) -> dict:
     from hp_dcp_hf.integrations.transformers import from_pretrained
     from hp_dcp_hf.storage.read.recording import RecordingReader
-    from hp_dcp_hf.tools.planning import parallelize_for
+    from hp_dcp_hf.tools.rank_plans import parallelize_for
 
     out = {}
     for name, (path, transforms, options) in cases.items():
@@ -599,8 +599,8 @@ def test_legacy_amplification_is_over_what_the_shards_need(capsys, llama):
     from hp_dcp_hf.parallel.mesh import parse_mesh
     from hp_dcp_hf.storage import HFStorageReader
     from hp_dcp_hf.tools.fake_ranks import fake_rank, register_fake_backend
-    from hp_dcp_hf.tools.planning import rank_model
     from hp_dcp_hf.tools.progress import progress_planner
+    from hp_dcp_hf.tools.rank_plans import rank_model
 
     register_fake_backend()
     reader = HFStorageReader(str(llama.path))

@@ -22,7 +22,7 @@ from hp_dcp_hf.errors import QuantizationError
 from hp_dcp_hf.geometry.box import Box
 from hp_dcp_hf.mapping.compose import TensorSpec
 from hp_dcp_hf.quant.decode import BlockScaled, Mxfp4
-from hp_dcp_hf.tools.planning import plan_ranks
+from hp_dcp_hf.tools.rank_plans import plan_ranks
 from tests.support.families import family_model_class, load_family_reference
 from tests.support.quantized import (
     FP8,

@@ -166,8 +166,8 @@ def _load_both(rank: int, ckpt: str, mesh_spec: str, transforms: list[str]):
     byte range it read), and the layout and this rank's coordinate on the mesh."""
     from hp_dcp_hf.integrations.transformers import from_pretrained
     from hp_dcp_hf.storage.read.recording import RecordingReader
-    from hp_dcp_hf.tools.planning import parallelize_for
     from hp_dcp_hf.tools.progress import progress_planner
+    from hp_dcp_hf.tools.rank_plans import parallelize_for
 
     loads: dict[str, Any] = {}
     models = {}
@@ -200,7 +200,7 @@ def _save_and_reload(model: Any, ckpt: str, mesh_spec: str, transforms: list[str
     from hp_dcp_hf.integrations.transformers import from_pretrained
     from hp_dcp_hf.save.api import save_hf_checkpoint
     from hp_dcp_hf.storage import HFStorageWriter
-    from hp_dcp_hf.tools.planning import parallelize_for
+    from hp_dcp_hf.tools.rank_plans import parallelize_for
 
     saved_path = str(Path(out_dir) / "saved")
     # bf16 as the checkpoint holds its values (an FP8 checkpoint's values need the model's float32)
@@ -417,7 +417,7 @@ def _print_checkpoint(setup: _Setup) -> dict[str, Any]:
 
 def _plan(setup: _Setup) -> dict[str, Any]:
     """Every rank's reads, planned without a process group (``hp-dcp-hf plan``)."""
-    from hp_dcp_hf.tools.planning import plan_ranks
+    from hp_dcp_hf.tools.rank_plans import plan_ranks
 
     start = time.perf_counter()
     plan = plan_ranks(str(setup.ckpt), setup.sizes, transforms=setup.transforms, dtype=DEMO_DTYPE)

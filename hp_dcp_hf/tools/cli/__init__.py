@@ -12,7 +12,7 @@ Every command that takes a checkpoint PATH takes ``--storage-option KEY=VALUE`` 
 :mod:`.entry` is the top-level parser and ``main``; each command is one module (:mod:`.inspect`,
 :mod:`.plan`, :mod:`.load`, :mod:`.repair`, :mod:`.demo`) that adds its sub-parser and runs it, with
 what several share in :mod:`.arguments`, :mod:`.storage_options` and :mod:`.messages`. They import
-the work (:mod:`hp_dcp_hf.tools.inspection`, :mod:`~hp_dcp_hf.tools.planning`,
+the work (:mod:`hp_dcp_hf.tools.inspection`, :mod:`~hp_dcp_hf.tools.rank_plans`,
 :mod:`~hp_dcp_hf.tools.progress`, the library) inside the command that needs it, so ``--help``
 never imports torch or transformers.
 """

@@ -89,8 +89,8 @@ def _measured_load(args: argparse.Namespace, mesh: str, rank: int) -> tuple[Any,
     """``from_pretrained`` with a reader that records its requests and a planner that shows progress."""
     from hp_dcp_hf.integrations.transformers import from_pretrained
     from hp_dcp_hf.storage.read.recording import RecordingReader
-    from hp_dcp_hf.tools.planning import parallelize_for
     from hp_dcp_hf.tools.progress import progress_planner
+    from hp_dcp_hf.tools.rank_plans import parallelize_for
 
     parallelize = parallelize_for(mesh)
     reader = RecordingReader(args.path, **reader_options(args))
@@ -117,7 +117,7 @@ def _forward(model: Any) -> dict[str, Any]:
 
 def _row(rank: int, loaded: _Loaded, saved: save_to.Saved | None) -> dict[str, Any]:
     """This rank's row of the table (every rank's are gathered to rank 0)."""
-    from hp_dcp_hf.tools.planning import reads_mapped
+    from hp_dcp_hf.tools.rank_plans import reads_mapped
 
     report, reader, last = loaded.report, loaded.reader, loaded.planner_cls.last
     assert last is not None and last.shard_bytes is not None

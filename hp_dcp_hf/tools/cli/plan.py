@@ -3,7 +3,7 @@ without a process group and without reading tensor data.
 
 It builds the model from the checkpoint's config on the meta device once per rank, under torch's
 ``fake`` process group with that rank's number, applies the rewrites and the layout of
-:func:`hp_dcp_hf.tools.planning.parallelize_for` (the same layout ``load`` and ``demo`` use), and
+:func:`hp_dcp_hf.tools.rank_plans.parallelize_for` (the same layout ``load`` and ``demo`` use), and
 asks :class:`HFMappingPlanner` for the rank's ReadItems; the requests are those
 :class:`HFStorageReader` issues for them (same coalescing and staging budget).
 """
@@ -30,7 +30,7 @@ def add_parser(new_command: NewCommand) -> None:
 @with_messages
 def run(args: argparse.Namespace) -> int:
     from hp_dcp_hf.tools.formatting import RUNS_NOTE, fmt_bytes, requests_column, table
-    from hp_dcp_hf.tools.planning import RankPlan, plan_ranks
+    from hp_dcp_hf.tools.rank_plans import RankPlan, plan_ranks
 
     with config_from_the_command_line():
         result = plan_ranks(
