@@ -37,9 +37,10 @@ def launch(args: argparse.Namespace) -> int:
         read_config(args.path, args.storage_options)
     from hp_dcp_hf.tools.launch import run_ranks
 
-    argv = list(getattr(args, "argv", None) or [])
+    argv = without_nproc(getattr(args, "argv", None) or [])
+    each_rank = argparse.Namespace(**{**vars(args), "nproc_per_node": None, "argv": argv, "launched": True})
     try:
-        return run_ranks(world, _launched_load, without_nproc(argv), timeout=_LAUNCH_TIMEOUT_S)[0]
+        return run_ranks(world, _launched_load, each_rank, timeout=_LAUNCH_TIMEOUT_S)[0]
     except Exception as error:
         if world > 1:  # run_ranks names the rank every error it raises came from
             print(rank_error_line(error), file=sys.stderr, flush=True)
@@ -61,13 +62,8 @@ def without_nproc(argv: Sequence[str]) -> list[str]:
     return out
 
 
-def _launched_load(rank: int, world: int, argv: list[str]) -> int:
-    """One rank of ``load --nproc-per-node``: the command line without the option, in the process
-    group :func:`~hp_dcp_hf.tools.launch.run_ranks` made. Errors go back to the launcher, which prints
-    one; this rank prints none."""
-    from hp_dcp_hf.tools.cli.entry import build_parser
-    from hp_dcp_hf.tools.cli.load import run
-
-    args = build_parser().parse_args(argv)
-    args.argv, args.launched = argv, True
-    return run(args)
+def _launched_load(rank: int, world: int, args: argparse.Namespace) -> int:
+    """One rank of ``load --nproc-per-node``: the command's arguments without the option (``launched``),
+    in the process group :func:`~hp_dcp_hf.tools.launch.run_ranks` made. Errors go back to the
+    launcher, which prints one; this rank prints none."""
+    return args.func(args)
