@@ -21,7 +21,7 @@ Contenders (``--contenders``):
 
 * ``floor``: ``os.preadv`` of exactly the byte ranges of the rank's plan (:class:`bench.limit.RawReads`,
   ranges from :func:`bench.limit.plan_ranges` of ``HFMappingPlanner.plan_reads``: what ``limit`` of
-  the loads part reads, and what :func:`hp_dcp_hf.tools.toolkit.plan_ranks` counts), into a touched buffer.
+  the loads part reads, and what :func:`hp_dcp_hf.tools.rank_plans.plan_ranks` counts), into a touched buffer.
 * ``whole``: every safetensors file read whole on every rank (the same ``RawReads``, one range per file).
 * ``torch``: torch's ``HuggingFaceStorageReader`` + ``DefaultLoadPlanner`` on the identity-named model
   (:func:`bench.contenders.torch_load`, experts stacked after, as in the loads part).

@@ -18,7 +18,7 @@ Generated once into ``<cache>/moe-<format>-<size>``. Contenders, each in its own
 gloo ranks after a warm page cache, ``warmup`` untimed then ``reps`` timed loads:
 
 * ``limit``: ``os.preadv`` of exactly the byte ranges this project's plan reads on each rank
-  (:func:`hp_dcp_hf.tools.toolkit.plan_ranks`), into a touched buffer (:class:`bench.limit.RawReads`):
+  (:func:`hp_dcp_hf.tools.rank_plans.plan_ranks`), into a touched buffer (:class:`bench.limit.RawReads`):
   no planning, no dequantization. The floor.
 * ``dcp``: this project: the bf16 model ``hp_dcp_hf.from_pretrained(path, dtype=bf16,
   distributed_config="dp=2,tp=2")`` builds (built once), then ``load_hf_checkpoint(model, path)``
@@ -410,8 +410,9 @@ def run_compressed(fmt: str, workload: Workload, *, reps: int = 3, warmup: int =
     """One format's part for ``workload`` (a checkpoint of :func:`ensure_compressed_workload`)."""
     from bench.layouts import parse_mesh
     from bench.workloads import warm_page_cache
+    from hp_dcp_hf.tools.inspection import inspect_checkpoint
     from hp_dcp_hf.tools.launch import run_ranks
-    from hp_dcp_hf.tools.toolkit import inspect_checkpoint, plan_ranks
+    from hp_dcp_hf.tools.rank_plans import plan_ranks
 
     unknown = sorted(set(contenders) - set(CONTENDERS))
     if unknown:

@@ -11,7 +11,7 @@ Contenders, each in its own process group of 4 gloo ranks after a warm page cach
 untimed then ``reps`` timed loads:
 
 * ``limit``: ``os.preadv`` of exactly the byte ranges this project's plan reads on each rank
-  (:func:`hp_dcp_hf.tools.toolkit.plan_ranks` for the same layout, planned in the bench process), same
+  (:func:`hp_dcp_hf.tools.rank_plans.plan_ranks` for the same layout, planned in the bench process), same
   threads, into a touched buffer (:class:`bench.limit.RawReads`): no planning, no dequantization.
 * ``dcp``: this project: the bf16 model laid out by transformers' plans over ``dp=2,tp=2`` (what
   ``hp_dcp_hf.from_pretrained(path, dtype=torch.bfloat16, distributed_config="dp=2,tp=2")``
@@ -108,7 +108,7 @@ def _dcp_model(path: str):
     from hp_dcp_hf.model.config import read_config, resolve_model_class
     from hp_dcp_hf.model.finalize import materialize
     from hp_dcp_hf.model.skeleton import build_skeleton, checkpoint_mapping
-    from hp_dcp_hf.tools.toolkit import parallelize_for
+    from hp_dcp_hf.tools.rank_plans import parallelize_for
 
     config = read_config(path)
     model = build_skeleton(config, resolve_model_class(config), dtype=torch.bfloat16)
@@ -510,8 +510,9 @@ def run_quantized(workload: Workload, *, reps: int = 3, warmup: int = 1, threads
     """The quantized part for ``workload`` (an FP8 checkpoint of :func:`ensure_fp8_workload`)."""
     from bench.layouts import parse_mesh
     from bench.workloads import warm_page_cache
+    from hp_dcp_hf.tools.inspection import inspect_checkpoint
     from hp_dcp_hf.tools.launch import run_ranks
-    from hp_dcp_hf.tools.toolkit import inspect_checkpoint, plan_ranks
+    from hp_dcp_hf.tools.rank_plans import plan_ranks
 
     unknown = sorted(set(contenders) - set(CONTENDERS))
     if unknown:

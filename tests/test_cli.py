@@ -19,8 +19,9 @@ import pytest
 import torch
 
 from hp_dcp_hf.tools.cli import main
+from hp_dcp_hf.tools.formatting import fmt_bytes
 from hp_dcp_hf.tools.launch import run_ranks
-from hp_dcp_hf.tools.toolkit import fmt_bytes, plan_ranks
+from hp_dcp_hf.tools.rank_plans import plan_ranks
 from tests.support.models import MODEL_TYPES, checkpoint_files, checkpoint_keys
 
 REPO = Path(__file__).resolve().parent.parent
@@ -101,11 +102,12 @@ def test_public_names_are_lazy_and_importable():
 
 
 def test_help_documents_every_default():
-    from hp_dcp_hf.tools.cli import _HelpFormatter, build_parser
+    from hp_dcp_hf.tools.cli import build_parser
+    from hp_dcp_hf.tools.cli.arguments import HelpFormatter
 
     parser = build_parser()
     (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
-    formatter = _HelpFormatter("hp-dcp-hf")
+    formatter = HelpFormatter("hp-dcp-hf")
     for name, command in sub.choices.items():
         for action in command._actions:
             if isinstance(action, argparse._HelpAction):
@@ -119,7 +121,8 @@ def test_help_documents_every_default():
 
 def test_transforms_help_lists_every_transform():
     from hp_dcp_hf import transforms
-    from hp_dcp_hf.tools.cli import TRANSFORMS, build_parser
+    from hp_dcp_hf.tools.cli import build_parser
+    from hp_dcp_hf.tools.cli.arguments import TRANSFORMS
 
     available = {n for n in transforms.__all__ if n[:1].islower() and callable(getattr(transforms, n))}
     assert set(TRANSFORMS) == available
@@ -458,7 +461,8 @@ def test_plan_every_model_type(capsys, tiny_checkpoints, model_type):
 
 def _real_load(rank: int, world: int, cases: dict) -> dict:
     from hp_dcp_hf.integrations.transformers import from_pretrained
-    from hp_dcp_hf.tools.toolkit import RecordingReader, parallelize_for
+    from hp_dcp_hf.storage.read.recording import RecordingReader
+    from hp_dcp_hf.tools.rank_plans import parallelize_for
 
     out = {}
     for name, (path, transforms, options) in cases.items():
@@ -526,9 +530,9 @@ def test_load_single_process_json(capsys, llama):
 
 
 def test_load_names_its_stages_and_progress_on_rank_0(capsys, llama, tmp_path, monkeypatch):
-    from hp_dcp_hf.tools import toolkit
+    from hp_dcp_hf.tools import progress
 
-    monkeypatch.setattr(toolkit, "PROGRESS_EVERY_S", 0.0)  # a line at every update, not every few seconds
+    monkeypatch.setattr(progress, "PROGRESS_EVERY_S", 0.0)  # a line at every update, not every few seconds
     code, out, err = _run_cli(capsys, "load", str(llama.path), "--save-to", str(tmp_path / "saved"), "--json")
     assert code == 0, err
     (row,) = json.loads(out)["ranks"]
@@ -550,19 +554,19 @@ def test_warnings_and_logs_print_one_clean_line(capsys):
     import logging
     import warnings
 
-    from hp_dcp_hf.tools import toolkit
-    from hp_dcp_hf.tools.cli import _messages
+    from hp_dcp_hf import errors
+    from hp_dcp_hf.tools.cli.messages import messages
 
-    with warnings.catch_warnings(record=True) as shown_by_python, _messages():
+    with warnings.catch_warnings(record=True) as shown_by_python, messages():
         warnings.simplefilter("always")
-        warnings.warn_explicit("left whole:\n  a\n  b", UserWarning, toolkit.__file__, 10)
+        warnings.warn_explicit("left whole:\n  a\n  b", UserWarning, errors.__file__, 10)  # any module of the package
         logging.getLogger("hp_dcp_hf.load.api").warning("%d tensors unused", 3)
         logging.getLogger("hp_dcp_hf.mapping.compose").info("a planning detail")  # not a stage: not shown
         warnings.warn_explicit("not ours", UserWarning, __file__, 20)  # another module's: Python's own way
     assert capsys.readouterr().err.splitlines() == ["hp-dcp-hf: warning: left whole: a b",
                                                     "hp-dcp-hf: warning: 3 tensors unused"]
     assert [str(w.message) for w in shown_by_python] == ["not ours"]
-    with _messages(rank=1):
+    with messages(rank=1):
         logging.getLogger("hp_dcp_hf.integrations.transformers").info("parallelizing")  # stages: rank 0's alone
         logging.getLogger("hp_dcp_hf.load.api").error("failed")
     assert capsys.readouterr().err == "hp-dcp-hf: rank 1: error: failed\n"
@@ -594,14 +598,16 @@ def test_legacy_amplification_is_over_what_the_shards_need(capsys, llama):
     from hp_dcp_hf.model.config import read_config, resolve_model_class
     from hp_dcp_hf.parallel.mesh import parse_mesh
     from hp_dcp_hf.storage import HFStorageReader
-    from hp_dcp_hf.tools.toolkit import _fake_rank, _rank_model, _register_fake_backend, progress_planner
+    from hp_dcp_hf.tools.fake_ranks import fake_rank, register_fake_backend
+    from hp_dcp_hf.tools.progress import progress_planner
+    from hp_dcp_hf.tools.rank_plans import rank_model
 
-    _register_fake_backend()
+    register_fake_backend()
     reader = HFStorageReader(str(llama.path))
     metadata = reader.read_metadata()
     config = read_config(str(llama.path))
-    with _fake_rank(1, 4):
-        model, mapping, _ = _rank_model(parse_mesh(MESH), config, resolve_model_class(config), torch.bfloat16, ())
+    with fake_rank(1, 4):
+        model, mapping, _ = rank_model(parse_mesh(MESH), config, resolve_model_class(config), torch.bfloat16, ())
         planner = progress_planner(False, shard_bytes=True)(model, weights_mapping=mapping, trace=False)
         planner.set_up_planner(model.state_dict(), metadata)
         planner.create_local_plan()
@@ -762,7 +768,7 @@ def test_load_table_cooperating_names_bytes_read_from_storage_and_received(llama
     (code, text), (other, quiet) = run_ranks(2, _cli_load_output, [*argv, "--json"], timeout=300)
     assert code == other == 0 and quiet == ""  # rank 0 prints for both
     rows = json.loads(text)["ranks"]
-    from hp_dcp_hf.tools.toolkit import inspect_checkpoint
+    from hp_dcp_hf.tools.inspection import inspect_checkpoint
 
     checkpoint = inspect_checkpoint(str(llama.path))["tensor_bytes"]
     assert all(r["cooperating"] and r["bytes_needed_once"] == checkpoint for r in rows)

@@ -11,7 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load, load_file
 
-from hp_dcp_hf.tools.cli import add_storage_option, main, parse_storage_option
+from hp_dcp_hf.tools.cli import main
+from hp_dcp_hf.tools.cli.storage_options import add_storage_option, parse_storage_option
 from tests.support.models import DEFAULT_SHARD_SIZE, checkpoint_keys
 from tests.support.servers.s3 import CREDENTIALS, REGION, MotoS3
 

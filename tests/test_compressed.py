@@ -21,7 +21,7 @@ import hp_dcp_hf
 from hp_dcp_hf.geometry.box import Box
 from hp_dcp_hf.mapping.compose import TensorSpec
 from hp_dcp_hf.quant.compressed import compressed_tensors
-from hp_dcp_hf.tools.toolkit import plan_ranks
+from hp_dcp_hf.tools.rank_plans import plan_ranks
 from tests.support.compressed import (
     CASES,
     DYNAMIC_INT8,

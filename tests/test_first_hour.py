@@ -272,12 +272,12 @@ def test_output_piped_into_a_reader_that_stops_early_ends_quietly(mixtral_checkp
 def test_a_broken_pipe_that_is_not_stdout_is_still_an_error(capsys, mixtral_checkpoint, monkeypatch):
     """A ``BrokenPipeError`` from elsewhere (a connection to storage) while stdout is fine is an
     error, as any other."""
-    from hp_dcp_hf.tools import cli, toolkit
+    from hp_dcp_hf.tools import cli, inspection
 
     def broken(*args, **kwargs):
         raise BrokenPipeError(32, "Broken pipe")
 
-    monkeypatch.setattr(toolkit, "inspect_checkpoint", broken)
+    monkeypatch.setattr(inspection, "inspect_checkpoint", broken)
     read_end, write_end = os.pipe()  # stdout a pipe whose reader is still there
     with os.fdopen(write_end, "w") as stdout, os.fdopen(read_end) as _:
         monkeypatch.setattr(sys, "stdout", stdout)

@@ -22,7 +22,7 @@ from hp_dcp_hf.errors import QuantizationError
 from hp_dcp_hf.geometry.box import Box
 from hp_dcp_hf.mapping.compose import TensorSpec
 from hp_dcp_hf.quant.decode import BlockScaled, Mxfp4
-from hp_dcp_hf.tools.toolkit import plan_ranks
+from hp_dcp_hf.tools.rank_plans import plan_ranks
 from tests.support.families import family_model_class, load_family_reference
 from tests.support.quantized import (
     FP8,
@@ -128,14 +128,14 @@ def test_transformers_shard_on_read_pairs_the_wrong_scales():
     from transformers.distributed.sharding_utils import DtensorShardOperation
     from transformers.integrations.finegrained_fp8 import Fp8Dequantize
 
-    from hp_dcp_hf.tools.toolkit import _clear_sharding_caches, _register_fake_backend
+    from hp_dcp_hf.tools.fake_ranks import clear_sharding_caches, register_fake_backend
 
     torch.manual_seed(5)
     q, scale = quantize_fp8(torch.randn(40, 32), (16, 16))
     whole = dequantize_reference(q, scale, (16, 16), dtype=torch.float32)
     ours = BlockScaled("w", "s", (16, 16))
     theirs: list[str] = []
-    _register_fake_backend()
+    register_fake_backend()
     for rank in range(4):
         dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=4)
         try:
@@ -150,7 +150,7 @@ def test_transformers_shard_on_read_pairs_the_wrong_scales():
                 theirs.append("error")
         finally:
             dist.destroy_process_group()
-            _clear_sharding_caches()
+            clear_sharding_caches()
         box = Box((10 * rank, 0), (10, 32))
         assert torch.equal(ours.dequantize(q[box.slices()], scale[ours.scale_box(box).slices()], box),
                            whole[box.slices()])
@@ -364,14 +364,14 @@ def test_stored_scales_must_cover_the_weight_rows_a_rank_holds(scale_layout, tmp
 
     from hp_dcp_hf import HFMappingPlanner, HFStorageReader
     from hp_dcp_hf.errors import LayoutError
-    from hp_dcp_hf.tools.toolkit import _clear_sharding_caches, _register_fake_backend
+    from hp_dcp_hf.tools.fake_ranks import clear_sharding_caches, register_fake_backend
 
     q, scale = quantize_fp8(torch.randn(40, 32), (16, 16))
     save_file({"proj.weight": q, "proj.weight_scale_inv": scale}, tmp_path / "model.safetensors")
     (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {
         "quant_method": "fp8", "weight_block_size": [16, 16], "activation_scheme": "dynamic"}}))
     metadata = HFStorageReader(str(tmp_path)).read_metadata()
-    _register_fake_backend()
+    register_fake_backend()
     outcomes = []
     for rank in range(4):
         dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=4)
@@ -396,7 +396,7 @@ def test_stored_scales_must_cover_the_weight_rows_a_rank_holds(scale_layout, tmp
                 outcomes.append("LayoutError")
         finally:
             dist.destroy_process_group()
-            _clear_sharding_caches()
+            clear_sharding_caches()
     expected = ["planned"] * 4 if scale_layout == "replicated" else ["planned", "LayoutError", "LayoutError", "LayoutError"]
     assert outcomes == expected
 

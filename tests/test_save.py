@@ -23,7 +23,7 @@ import hp_dcp_hf
 from hp_dcp_hf.errors import InterruptedSaveError, MixedCheckpointError, PlanningError, StorageWriteError
 from hp_dcp_hf.storage.format.files import layout_file
 from hp_dcp_hf.storage.format.journal import INDEX_FILE, STAGING_PREFIX
-from hp_dcp_hf.tools.toolkit import inspect_checkpoint
+from hp_dcp_hf.tools.inspection import inspect_checkpoint
 from tests.support.checkpoints import SHARD, assert_same_checkpoint
 from tests.support.families import build_family_model, family_model_class, save_family_model
 

@@ -322,7 +322,8 @@ def test_load_save_to_save_quantize_fp8(capsys, tmp_path):
     Loaded into float32 (``--dtype float32``), both quantize the checkpoint's bf16 values
     (``--save-dtype checkpoint`` looks past the FP8 weights and their scales)."""
     from hp_dcp_hf.quant.encode import FORMATS
-    from hp_dcp_hf.tools.cli import SAVE_QUANTIZE_CHOICES, main
+    from hp_dcp_hf.tools.cli import main
+    from hp_dcp_hf.tools.cli.save_to import SAVE_QUANTIZE_CHOICES
 
     assert SAVE_QUANTIZE_CHOICES == FORMATS
     model = llama(**MIXED)  # FP8 attention, the MLP kept in bf16

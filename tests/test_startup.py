@@ -52,7 +52,7 @@ def test_inspect_imports_neither_dcp_nor_transformers(llama) -> None:
     proc, modules, rc = _cli_in_process("inspect", str(llama.path), "--tensors")
     assert rc == 0, proc.stderr[-2000:]
     assert f"{len(checkpoint_keys(llama.path))} tensors" in proc.stdout  # headers read, tensors listed
-    assert "hp_dcp_hf.tools.toolkit" in modules and "torch" in modules
+    assert "hp_dcp_hf.tools.inspection" in modules and "torch" in modules
     assert not modules & {DCP, MODELING, "transformers"}, sorted(modules & {DCP, MODELING, "transformers"})
 
 
@@ -158,7 +158,7 @@ def test_nproc_per_node_prints_a_rank_failure_as_one_line(llama, tmp_path) -> No
 
 
 def test_without_nproc_drops_the_option_alone() -> None:
-    from hp_dcp_hf.tools.cli import _without_nproc
+    from hp_dcp_hf.tools.cli.nproc import without_nproc
 
-    assert _without_nproc(["load", "p", "--nproc-per-node", "4", "--mesh", "tp=4"]) == ["load", "p", "--mesh", "tp=4"]
-    assert _without_nproc(["load", "p", "--nproc-per-node=4", "--json"]) == ["load", "p", "--json"]
+    assert without_nproc(["load", "p", "--nproc-per-node", "4", "--mesh", "tp=4"]) == ["load", "p", "--mesh", "tp=4"]
+    assert without_nproc(["load", "p", "--nproc-per-node=4", "--json"]) == ["load", "p", "--json"]

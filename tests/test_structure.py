@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hp_dcp_hf import HFStorageReader
-from hp_dcp_hf.tools.toolkit import _fake_rank, _register_fake_backend
+from hp_dcp_hf.tools.fake_ranks import fake_rank, register_fake_backend
 from hp_dcp_hf.transforms import fuse_qkv, grouped_gemm_experts
 from tests.support.layouts import apply_layout
 from tests.support.models import MODEL_TYPES, build_model
@@ -23,7 +23,7 @@ LAYOUTS = ("shard0", "shard_last", "strided", "fsdp_tp")
 
 @pytest.fixture(scope="module")
 def fake_world():
-    _register_fake_backend()
+    register_fake_backend()
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -31,7 +31,7 @@ def fake_world():
 def test_sharded_plans_item_by_item(model_type, layout, tiny_checkpoints, fake_world):
     metadata = HFStorageReader(tiny_checkpoints(model_type, torch.float32).path).read_metadata()
     for rank in (0, WORLD - 1):
-        with _fake_rank(rank, WORLD):
+        with fake_rank(rank, WORLD):
             model = build_model(model_type)
             apply_layout(model, layout, WORLD)
             assert_same_plans(model, metadata)
@@ -41,7 +41,7 @@ def test_sharded_plans_item_by_item(model_type, layout, tiny_checkpoints, fake_w
 def test_rewritten_plans_item_by_item(rewrites, tiny_checkpoints, fake_world):
     metadata = HFStorageReader(tiny_checkpoints("mixtral", torch.float32).path).read_metadata()
     for rank in range(WORLD):
-        with _fake_rank(rank, WORLD):
+        with fake_rank(rank, WORLD):
             model = build_model("mixtral")
             for rewrite in rewrites:
                 rewrite(model)

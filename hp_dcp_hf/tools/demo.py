@@ -24,8 +24,12 @@ import os
 import shutil
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from hp_dcp_hf.tools.formatting import fmt_bytes, table
+from hp_dcp_hf.tools.inspection import inspect_checkpoint
 
 DEMO_VERSION = 1
 DEMO_CONFIG: dict[str, Any] = dict(
@@ -123,85 +127,112 @@ def _quantize_fp8(path: Path) -> None:
 # -- ranks -------------------------------------------------------------------------------------
 
 
-
 def _rank_main(rank: int, world: int, port: int, ckpt: str, mesh_spec: str, transforms: list[str],
                reference: bool, out_dir: str, timeout: float = 900) -> None:
+    """One rank of the demo: both loaders' loads, the save and its reload, the forwards; its results
+    in ``rank{N}.json`` of ``out_dir``."""
     from datetime import timedelta
 
     import torch
     import torch.distributed as dist
 
-    from hp_dcp_hf.geometry.shards import local_tensor
-    from hp_dcp_hf.integrations.transformers import from_pretrained
-    from hp_dcp_hf.tools.toolkit import RecordingReader, parallelize_for, progress_planner
-
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=timeout))
     try:
-        loads: dict[str, Any] = {}
-        models = {}
-        layout: list[str] = []
-        coordinate: tuple[int, ...] = ()
-        for loader in ("dcp", "legacy"):
-            parallelize = parallelize_for(mesh_spec)
-            reader = RecordingReader(ckpt)
-            start = time.perf_counter()
-            model, report = from_pretrained(
-                ckpt, dtype=DEMO_DTYPE, transforms=transforms, parallelize=parallelize, loader=loader,
-                reader=reader, planner_cls=progress_planner(rank == 0, desc=f"rank 0, {loader} loader"),
-            )
-            layout, coordinate = parallelize.describe(), parallelize.coordinate
-            models[loader] = model
-            loads[loader] = {
-                "bytes_needed": report.plan.bytes_needed, "bytes_read": report.read.bytes_read,
-                "requests": report.read.requests, "ranges": report.read.ranges,
-                "header_bytes": report.read.header_bytes, "load_s": report.seconds["load"],
-                "read_s": report.seconds["read"],
-                "total_s": time.perf_counter() - start, "reads": sorted(reader.reads),
-                "loaded": len(report.loaded_keys), "missing": list(report.missing_keys),
-                "unexpected": list(report.unexpected_keys), "initialized": list(report.initialized_keys),
-            }
-        # Save the loaded model under the same layout (one parallel write pass), load it back.
-        from hp_dcp_hf.save.api import save_hf_checkpoint
-        from hp_dcp_hf.storage import HFStorageWriter
-
-        saved_path = str(Path(out_dir) / "saved")
-        # bf16 as the checkpoint holds its values (an FP8 checkpoint's values need the model's float32)
-        quantized = "quantization_config" in json.loads(Path(ckpt, "config.json").read_text())
-        writer = HFStorageWriter(saved_path, max_shard_size=SHARD_SIZE, dtype=None if quantized else torch.bfloat16)
-        start = time.perf_counter()
-        save_hf_checkpoint(models["dcp"], saved_path, writer=writer)
-        save = {"bytes_written": writer.bytes_written, "save_s": time.perf_counter() - start}
-        reloaded, _ = from_pretrained(saved_path, dtype=DEMO_DTYPE, transforms=transforms,
-                                      parallelize=parallelize_for(mesh_spec))
-        state = models["dcp"].state_dict()
-        again = reloaded.state_dict()
-        save["mismatched"] = sorted(k for k, v in state.items() if not torch.equal(local_tensor(v), local_tensor(again[k])))
-        del reloaded, again
-        legacy_state = models["legacy"].state_dict()
-        mismatched = sorted(k for k, v in state.items() if not torch.equal(local_tensor(v), local_tensor(legacy_state[k])))
+        models, loads, layout, coordinate = _load_both(rank, ckpt, mesh_spec, transforms)
+        save = _save_and_reload(models["dcp"], ckpt, mesh_spec, transforms, out_dir)
         ids = torch.randint(DEMO_CONFIG["vocab_size"], (2, 32), generator=torch.Generator().manual_seed(0))
         with torch.no_grad():
             logits = models["dcp"](input_ids=ids).logits
             legacy_logits = models["legacy"](input_ids=ids).logits
+        state = models["dcp"].state_dict()
         result = {
             "rank": rank, "coordinate": list(coordinate), "layout": layout,
-            "dcp": loads["dcp"], "legacy": loads["legacy"], "save": save, "tensors": len(state), "mismatched": mismatched,
+            "dcp": loads["dcp"], "legacy": loads["legacy"], "save": save, "tensors": len(state),
+            "mismatched": _mismatched(state, models["legacy"].state_dict()),
             "logits_equal": bool(torch.equal(logits, legacy_logits)),
             "logits_finite": bool(logits.isfinite().all()),
         }
     finally:
         dist.destroy_process_group()
     if reference and rank == 0:
-        from transformers import MixtralForCausalLM
-
-        ref = MixtralForCausalLM.from_pretrained(ckpt, dtype=getattr(torch, DEMO_DTYPE)).eval()
-        with torch.no_grad():
-            ref_logits = ref(input_ids=ids).logits
-        result["reference"] = {"max_abs_diff": float((logits - ref_logits).abs().max()),
-                               "max_abs": float(ref_logits.abs().max())}
+        result["reference"] = _reference(ckpt, ids, logits)
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def _load_both(rank: int, ckpt: str, mesh_spec: str, transforms: list[str]):
+    """The model loaded by each loader (``dcp``, ``legacy``), what each load measured (with every
+    byte range it read), and the layout and this rank's coordinate on the mesh."""
+    from hp_dcp_hf.integrations.transformers import from_pretrained
+    from hp_dcp_hf.storage.read.recording import RecordingReader
+    from hp_dcp_hf.tools.progress import progress_planner
+    from hp_dcp_hf.tools.rank_plans import parallelize_for
+
+    loads: dict[str, Any] = {}
+    models = {}
+    for loader in ("dcp", "legacy"):
+        parallelize = parallelize_for(mesh_spec)
+        reader = RecordingReader(ckpt)
+        start = time.perf_counter()
+        model, report = from_pretrained(
+            ckpt, dtype=DEMO_DTYPE, transforms=transforms, parallelize=parallelize, loader=loader,
+            reader=reader, planner_cls=progress_planner(rank == 0, desc=f"rank 0, {loader} loader"),
+        )
+        models[loader] = model
+        loads[loader] = {
+            "bytes_needed": report.plan.bytes_needed, "bytes_read": report.read.bytes_read,
+            "requests": report.read.requests, "ranges": report.read.ranges,
+            "header_bytes": report.read.header_bytes, "load_s": report.seconds["load"],
+            "read_s": report.seconds["read"],
+            "total_s": time.perf_counter() - start, "reads": sorted(reader.reads),
+            "loaded": len(report.loaded_keys), "missing": list(report.missing_keys),
+            "unexpected": list(report.unexpected_keys), "initialized": list(report.initialized_keys),
+        }
+    return models, loads, parallelize.describe(), parallelize.coordinate
+
+
+def _save_and_reload(model: Any, ckpt: str, mesh_spec: str, transforms: list[str], out_dir: str) -> dict[str, Any]:
+    """Save ``model`` under the same layout (one parallel write pass) into ``out_dir/saved``, load it
+    back: the bytes this rank wrote, the seconds, the tensors that differ after the reload."""
+    import torch
+
+    from hp_dcp_hf.integrations.transformers import from_pretrained
+    from hp_dcp_hf.save.api import save_hf_checkpoint
+    from hp_dcp_hf.storage import HFStorageWriter
+    from hp_dcp_hf.tools.rank_plans import parallelize_for
+
+    saved_path = str(Path(out_dir) / "saved")
+    # bf16 as the checkpoint holds its values (an FP8 checkpoint's values need the model's float32)
+    quantized = "quantization_config" in json.loads(Path(ckpt, "config.json").read_text())
+    writer = HFStorageWriter(saved_path, max_shard_size=SHARD_SIZE, dtype=None if quantized else torch.bfloat16)
+    start = time.perf_counter()
+    save_hf_checkpoint(model, saved_path, writer=writer)
+    save = {"bytes_written": writer.bytes_written, "save_s": time.perf_counter() - start}
+    reloaded, _ = from_pretrained(saved_path, dtype=DEMO_DTYPE, transforms=transforms,
+                                  parallelize=parallelize_for(mesh_spec))
+    save["mismatched"] = _mismatched(model.state_dict(), reloaded.state_dict())
+    return save
+
+
+def _mismatched(state: dict[str, Any], other: dict[str, Any]) -> list[str]:
+    """The keys of ``state`` whose local shards are not bit-identical to ``other``'s."""
+    import torch
+
+    from hp_dcp_hf.geometry.shards import local_tensor
+
+    return sorted(k for k, v in state.items() if not torch.equal(local_tensor(v), local_tensor(other[k])))
+
+
+def _reference(ckpt: str, ids: Any, logits: Any) -> dict[str, float]:
+    """Rank 0's logits against transformers' single-process ``from_pretrained`` of the checkpoint."""
+    import torch
+    from transformers import MixtralForCausalLM
+
+    ref = MixtralForCausalLM.from_pretrained(ckpt, dtype=getattr(torch, DEMO_DTYPE)).eval()
+    with torch.no_grad():
+        ref_logits = ref(input_ids=ids).logits
+    return {"max_abs_diff": float((logits - ref_logits).abs().max()), "max_abs": float(ref_logits.abs().max())}
 
 
 # -- picture -----------------------------------------------------------------------------------
@@ -260,38 +291,117 @@ def _launch(world: int, args: tuple, debug: bool) -> None:
         raise RuntimeError(f"rank {e.error_index} died (exit code {e.exit_code})") from None
 
 
+@dataclass(frozen=True)
+class _Setup:
+    """What the demo's steps share: the checkpoint (``made_s``: how long generating it took, None
+    when reused), the layout and where the results go."""
+
+    ckpt: Path
+    made_s: float | None
+    mesh: str
+    sizes: dict[str, int]
+    transforms: list[str]
+    out: Path
+
+    @property
+    def world(self) -> int:
+        from hp_dcp_hf.parallel.mesh import mesh_world_size
+
+        return mesh_world_size(self.sizes)
+
+    @property
+    def layout_words(self) -> str:
+        return f"mesh {self.mesh}, transforms {','.join(self.transforms) or 'none'}"
+
+
+@dataclass(frozen=True)
+class _Totals:
+    """All ranks' bytes: what their shards need, what each loader read, what the save wrote."""
+
+    needed: int
+    read: int
+    legacy_read: int
+    written: int
+
+    @classmethod
+    def of(cls, results: list[dict[str, Any]]) -> _Totals:
+        return cls(needed=sum(r["dcp"]["bytes_needed"] for r in results),
+                   read=sum(r["dcp"]["bytes_read"] for r in results),
+                   legacy_read=sum(r["legacy"]["bytes_read"] for r in results),
+                   written=sum(r["save"]["bytes_written"] for r in results))
+
+    def amplification(self, loader: str) -> float:
+        return (self.read if loader == "dcp" else self.legacy_read) / max(self.needed, 1)
+
+
+@dataclass(frozen=True)
+class _Check:
+    name: str
+    ok: bool
+    text: str
+
+
 def run(args: argparse.Namespace) -> int:
     """The demo; returns 0 when every check passed."""
-    import math
+    wall = time.perf_counter()
+    _quiet_libraries()
+    setup = _prepare(args)
+    info = _print_checkpoint(setup)
+    plan = _plan(setup)
+    results = _run_ranks(setup, not args.no_reference, args.timeout, getattr(args, "debug", False))
+    totals = _Totals.of(results)
+    _print_table(results, totals)
+    print(f"read amplification      {totals.amplification('dcp'):.3f}  (dcp loader: bytes read / bytes the ranks' "
+          "shards need, all ranks)")
+    print(f"legacy loader           {totals.amplification('legacy'):.3f}  (read {fmt_bytes(totals.legacy_read)} for "
+          f"the same {fmt_bytes(totals.needed)} the ranks' shards need; checkpoint: {fmt_bytes(info['tensor_bytes'])})")
+    checks = [_plan_check(plan, results), _save_check(setup, info, results, totals), _parameters_check(results),
+              _report_check(results), _forward_check(results)]
+    for check in checks:
+        print(f"{check.name:<23} {'ok  ' if check.ok else 'FAIL'} {check.text}")
+    pictures = _draw_pictures(setup, info, results, totals)
+    _write_summary(setup, plan, results, totals, checks)
+    print(f"{'picture':<23}      {pictures[0]} (legacy: {pictures[1].name})")
+    print(f"{'output':<23}      {setup.out}  ({time.perf_counter() - wall:.0f} s in all)")
+    return 0 if all(check.ok for check in checks) else 1
 
+
+def _quiet_libraries() -> None:
+    """One thread per rank, no transformers warnings or progress bars between the demo's lines."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     import torch
     from transformers.utils import logging as hf_logging
 
-    from hp_dcp_hf.parallel.mesh import mesh_world_size, parse_mesh
-    from hp_dcp_hf.tools.toolkit import fmt_bytes, inspect_checkpoint, plan_ranks, table
-
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     torch.set_num_threads(1)
-    wall = time.perf_counter()
-    sizes = parse_mesh(args.mesh)
-    world = mesh_world_size(sizes)
-    transforms = [t.strip() for t in args.transforms.split(",") if t.strip()]
+
+
+def _prepare(args: argparse.Namespace) -> _Setup:
+    """The output directory emptied of a previous run's results, and the checkpoint (generated once,
+    then reused)."""
+    from hp_dcp_hf.parallel.mesh import parse_mesh
+
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     for stale in out.glob("rank*.json"):
         stale.unlink()
     shutil.rmtree(out / "saved", ignore_errors=True)  # saved anew: under the checkpoint's own file names
-
     ckpt, made_s = ensure_checkpoint(_cache_dir(args.cache_dir), args.regenerate, getattr(args, "quantized", "none"))
-    info = inspect_checkpoint(str(ckpt))
-    catalog = _catalog(ckpt)
-    n_params = sum(math.prod(e.shape) for e in catalog.entries.values())
-    how = f"generated in {made_s:.1f} s" if made_s is not None else "reused"
-    print(f"checkpoint   {ckpt} ({how})")
+    transforms = [t.strip() for t in args.transforms.split(",") if t.strip()]
+    return _Setup(ckpt, made_s, args.mesh, parse_mesh(args.mesh), transforms, out)
+
+
+def _print_checkpoint(setup: _Setup) -> dict[str, Any]:
+    """What the checkpoint holds and the model the ranks build; the checkpoint's inspection."""
+    import math
+
+    info = inspect_checkpoint(str(setup.ckpt))
+    n_params = sum(math.prod(e.shape) for e in _catalog(setup.ckpt).entries.values())
+    how = f"generated in {setup.made_s:.1f} s" if setup.made_s is not None else "reused"
+    print(f"checkpoint   {setup.ckpt} ({how})")
     print(f"             MixtralForCausalLM, {n_params / 1e6:.1f}M parameters, {info['tensors']} tensors in "
           f"{len(info['files'])} files + index, {fmt_bytes(info['tensor_bytes'])} of "
           + ", ".join(info["dtypes"]))
@@ -300,25 +410,39 @@ def run(args: argparse.Namespace) -> int:
         print(f"             quantized {quantized['format']}: {quantized.get('weights', 0)} weights "
               f"({fmt_bytes(quantized.get('weight_bytes', 0))}) and their scales "
               f"({fmt_bytes(quantized.get('scale_bytes', 0))}), loaded as values")
-    print(f"model        {world} ranks (gloo), mesh " + " x ".join(f"{k}={v}" for k, v in sizes.items())
-          + f", transforms {','.join(transforms) or 'none'}, {dtype_line(str(ckpt))}")
+    print(f"model        {setup.world} ranks (gloo), mesh " + " x ".join(f"{k}={v}" for k, v in setup.sizes.items())
+          + f", transforms {','.join(setup.transforms) or 'none'}, {dtype_line(str(setup.ckpt))}")
+    return info
+
+
+def _plan(setup: _Setup) -> dict[str, Any]:
+    """Every rank's reads, planned without a process group (``hp-dcp-hf plan``)."""
+    from hp_dcp_hf.tools.rank_plans import plan_ranks
 
     start = time.perf_counter()
-    plan = plan_ranks(str(ckpt), sizes, transforms=transforms, dtype=DEMO_DTYPE)
+    plan = plan_ranks(str(setup.ckpt), setup.sizes, transforms=setup.transforms, dtype=DEMO_DTYPE)
     print(f"plan         every rank's reads planned in {time.perf_counter() - start:.1f} s, no process group")
     for line in plan["layout"]:
         print(f"layout       {line}")
+    return plan
 
-    start = time.perf_counter()
+
+def _run_ranks(setup: _Setup, reference: bool, timeout: float, debug: bool) -> list[dict[str, Any]]:
+    """The ranks' loads, save and forwards (:func:`_rank_main`); each rank's results."""
     from hp_dcp_hf.tools.launch import free_port
 
-    _launch(world, (free_port(), str(ckpt), args.mesh, transforms, not args.no_reference, str(out), args.timeout),
-            getattr(args, "debug", False))
-    ranks_s = time.perf_counter() - start
-    results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
-    print(f"ranks        {world} processes finished in {ranks_s:.1f} s (spawn, imports, two loads, forwards)")
+    start = time.perf_counter()
+    _launch(setup.world, (free_port(), str(setup.ckpt), setup.mesh, setup.transforms, reference, str(setup.out),
+                          timeout), debug)
+    results = [json.loads((setup.out / f"rank{r}.json").read_text()) for r in range(setup.world)]
+    print(f"ranks        {setup.world} processes finished in {time.perf_counter() - start:.1f} s (spawn, imports, "
+          "two loads, forwards)")
     print()
+    return results
 
+
+def _print_table(results: list[dict[str, Any]], totals: _Totals) -> None:
+    """Per rank: both loaders' bytes, requests and seconds, and the save's."""
     rows = []
     for r in results:
         d, lg = r["dcp"], r["legacy"]
@@ -327,51 +451,58 @@ def run(args: argparse.Namespace) -> int:
                      f"{d['bytes_read'] / max(d['read_s'], 1e-9) / 1e9:.2f}",
                      fmt_bytes(lg["bytes_read"]), lg["requests"], f"{lg['load_s']:.2f}",
                      fmt_bytes(r["save"]["bytes_written"]), f"{r['save']['save_s']:.2f}"))
-    needed = sum(r["dcp"]["bytes_needed"] for r in results)
-    read = sum(r["dcp"]["bytes_read"] for r in results)
-    legacy_read = sum(r["legacy"]["bytes_read"] for r in results)
-    written = sum(r["save"]["bytes_written"] for r in results)
-    rows.append(("all", "", fmt_bytes(needed), fmt_bytes(read), sum(r["dcp"]["requests"] for r in results), "", "",
-                 "", fmt_bytes(legacy_read), sum(r["legacy"]["requests"] for r in results), "", fmt_bytes(written), ""))
+    rows.append(("all", "", fmt_bytes(totals.needed), fmt_bytes(totals.read),
+                 sum(r["dcp"]["requests"] for r in results), "", "", "", fmt_bytes(totals.legacy_read),
+                 sum(r["legacy"]["requests"] for r in results), "", fmt_bytes(totals.written), ""))
     print(table(("rank", "coord", "bytes needed", "bytes read", "requests", "load s", "read s", "GB/s",
                  "legacy read", "legacy req", "legacy load s", "saved", "save s"), rows))
     print("(load s: the whole dcp.load, metadata and plan exchange included; read s and GB/s: its reads; "
           "saved: the bytes each rank wrote saving the model back)")
     print()
-    checks: list[tuple[str, bool, str]] = []
-    print(f"read amplification      {read / max(needed, 1):.3f}  (dcp loader: bytes read / bytes the ranks' "
-          "shards need, all ranks)")
-    print(f"legacy loader           {legacy_read / max(needed, 1):.3f}  (read {fmt_bytes(legacy_read)} for the same "
-          f"{fmt_bytes(needed)} the ranks' shards need; checkpoint: {fmt_bytes(info['tensor_bytes'])})")
+
+
+def _plan_check(plan: dict[str, Any], results: list[dict[str, Any]]) -> _Check:
     predicted = all(
         (p.bytes_needed, p.bytes_to_read, p.requests) == (r["dcp"]["bytes_needed"], r["dcp"]["bytes_read"],
                                                           r["dcp"]["requests"])
         and sorted(map(tuple, p.reads)) == sorted(map(tuple, r["dcp"]["reads"]))
         for p, r in zip(plan["ranks"], results)
     )
-    checks.append(("plan", predicted, "the plan (no process group) predicted every rank's byte ranges exactly"
-                   if predicted else "the plan and the measured reads DIFFER"))
+    return _Check("plan", predicted, "the plan (no process group) predicted every rank's byte ranges exactly"
+                  if predicted else "the plan and the measured reads DIFFER")
+
+
+def _save_check(setup: _Setup, info: dict[str, Any], results: list[dict[str, Any]], totals: _Totals) -> _Check:
     resaved = {r["rank"]: r["save"]["mismatched"] for r in results if r["save"]["mismatched"]}
-    saved_bytes = inspect_checkpoint(str(out / "saved"))["tensor_bytes"]
-    same_files = info["quantization"] is not None or _same_tensors(out / "saved", ckpt)
-    save_ok = not resaved and written == saved_bytes and same_files
-    checks.append(("save", save_ok,
-                   f"saved back in one parallel pass as save_pretrained lays it out ({fmt_bytes(written)} written, "
-                   "each byte of the files once; "
-                   + ("the same files, keys and bits as the checkpoint" if info["quantization"] is None else
-                      "dequantized values, float32") + ") and reloaded bit-identical on every rank"
-                   if save_ok else f"save DIFFERS: {fmt_bytes(written)} written for {fmt_bytes(saved_bytes)} of "
-                   f"tensor data; same files as the checkpoint: {same_files}; mismatched after reload {resaved}"))
+    saved_bytes = inspect_checkpoint(str(setup.out / "saved"))["tensor_bytes"]
+    same_files = info["quantization"] is not None or _same_tensors(setup.out / "saved", setup.ckpt)
+    ok = not resaved and totals.written == saved_bytes and same_files
+    if not ok:
+        return _Check("save", ok, f"save DIFFERS: {fmt_bytes(totals.written)} written for {fmt_bytes(saved_bytes)} "
+                      f"of tensor data; same files as the checkpoint: {same_files}; mismatched after reload {resaved}")
+    return _Check("save", ok, f"saved back in one parallel pass as save_pretrained lays it out "
+                  f"({fmt_bytes(totals.written)} written, each byte of the files once; "
+                  + ("the same files, keys and bits as the checkpoint" if info["quantization"] is None else
+                     "dequantized values, float32") + ") and reloaded bit-identical on every rank")
+
+
+def _parameters_check(results: list[dict[str, Any]]) -> _Check:
     mismatched = {r["rank"]: r["mismatched"] for r in results if r["mismatched"]}
-    checks.append(("parameters", not mismatched,
-                   f"all {results[0]['tensors']} state-dict tensors bit-identical to the legacy loader on every rank"
-                   if not mismatched else f"DIFFER from the legacy loader: {mismatched}"))
+    return _Check("parameters", not mismatched,
+                  f"all {results[0]['tensors']} state-dict tensors bit-identical to the legacy loader on every rank"
+                  if not mismatched else f"DIFFER from the legacy loader: {mismatched}")
+
+
+def _report_check(results: list[dict[str, Any]]) -> _Check:
     problems = [f"rank {r['rank']}: missing {r['dcp']['missing']}, unexpected {r['dcp']['unexpected']}"
                 for r in results if r["dcp"]["missing"] or r["dcp"]["unexpected"]]
-    checks.append(("report", not problems,
-                   f"{results[0]['dcp']['loaded']} tensors loaded, none missing or unexpected; initialized by the "
-                   f"model's own init: {', '.join(results[0]['dcp']['initialized']) or 'nothing'}"
-                   if not problems else "; ".join(problems)))
+    return _Check("report", not problems,
+                  f"{results[0]['dcp']['loaded']} tensors loaded, none missing or unexpected; initialized by the "
+                  f"model's own init: {', '.join(results[0]['dcp']['initialized']) or 'nothing'}"
+                  if not problems else "; ".join(problems))
+
+
+def _forward_check(results: list[dict[str, Any]]) -> _Check:
     same = all(r["logits_equal"] and r["logits_finite"] for r in results)
     line = "logits identical to the legacy-loaded model on every rank" if same else "logits DIFFER from legacy"
     ok_ref = True
@@ -380,33 +511,37 @@ def run(args: argparse.Namespace) -> int:
         ok_ref = ref["max_abs_diff"] <= 1e-4 * max(1.0, ref["max_abs"])
         line += (f"; max |logits - transformers from_pretrained| = {ref['max_abs_diff']:.2e} "
                  f"(max |logit| {ref['max_abs']:.2f})")
-    checks.append(("forward", same and ok_ref, line))
-    for name, ok, text in checks:
-        print(f"{name:<23} {'ok  ' if ok else 'FAIL'} {text}")
+    return _Check("forward", same and ok_ref, line)
 
+
+def _draw_pictures(setup: _Setup, info: dict[str, Any], results: list[dict[str, Any]], totals: _Totals) -> list[Path]:
+    """``reads.png`` and ``reads_legacy.png``: the byte ranges each rank read with each loader."""
     files = {f: d["file_bytes"] for f, d in info["files"].items()}
     spans: dict[str, list[tuple[int, int]]] = {}
-    for entry in catalog.entries.values():
+    for entry in _catalog(setup.ckpt).entries.values():
         spans.setdefault(entry.file, []).append((entry.data_start, entry.data_end))
     pictures = []
-    for loader, amp in (("dcp", read / max(needed, 1)), ("legacy", legacy_read / max(needed, 1))):
+    for loader in ("dcp", "legacy"):
         name = "reads.png" if loader == "dcp" else "reads_legacy.png"
-        draw_reads(out / name, f"{loader} loader: byte ranges each rank read ({world} ranks, mesh {args.mesh}, "
-                   f"transforms {','.join(transforms) or 'none'}); bytes read / bytes needed = {amp:.2f}",
+        draw_reads(setup.out / name, f"{loader} loader: byte ranges each rank read ({setup.world} ranks, "
+                   f"{setup.layout_words}); bytes read / bytes needed = {totals.amplification(loader):.2f}",
                    files, spans, {r["rank"]: [tuple(x) for x in r[loader]["reads"]] for r in results})
-        pictures.append(out / name)
-    (out / "summary.json").write_text(json.dumps({
-        "checkpoint": str(ckpt), "mesh": sizes, "transforms": transforms, "layout": plan["layout"],
+        pictures.append(setup.out / name)
+    return pictures
+
+
+def _write_summary(setup: _Setup, plan: dict[str, Any], results: list[dict[str, Any]], totals: _Totals,
+                   checks: list[_Check]) -> None:
+    """``summary.json``: the layout, each rank's results (less the byte ranges), the amplifications, the checks."""
+    (setup.out / "summary.json").write_text(json.dumps({
+        "checkpoint": str(setup.ckpt), "mesh": setup.sizes, "transforms": setup.transforms, "layout": plan["layout"],
         "ranks": [{k: v for k, v in r.items() if k not in ("dcp", "legacy")}
                   | {loader: {k: v for k, v in r[loader].items() if k != "reads"} for loader in ("dcp", "legacy")}
                   for r in results],
-        "read_amplification": read / max(needed, 1), "legacy_bytes_read": legacy_read,
-        "legacy_read_amplification": legacy_read / max(needed, 1),
-        "checks": {name: ok for name, ok, _ in checks},
+        "read_amplification": totals.amplification("dcp"), "legacy_bytes_read": totals.legacy_read,
+        "legacy_read_amplification": totals.amplification("legacy"),
+        "checks": {check.name: check.ok for check in checks},
     }, indent=2))
-    print(f"{'picture':<23}      {pictures[0]} (legacy: {pictures[1].name})")
-    print(f"{'output':<23}      {out}  ({time.perf_counter() - wall:.0f} s in all)")
-    return 0 if all(ok for _, ok, _ in checks) else 1
 
 
 def dtype_line(ckpt: str) -> str:

@@ -12,7 +12,10 @@ imported torch once, and get the launcher's environment and working directory):
     results = run_ranks(2, _check, path)     # [rank 0's return, rank 1's return]
 
 A rank that raises makes ``run_ranks`` raise that exception (when it unpickles; ``RankFailed``
-otherwise) with the rank's traceback attached; a rank that has not answered after ``timeout``
+otherwise) with the rank's traceback attached and ``error.rank`` the rank it came from. When every
+rank raises one cause (the package's collectives make the others raise a copy of the failing rank's
+error, ``error.rank`` naming it), the failing rank's own error is raised, whichever rank reported
+first; else the earliest failure. A rank that has not answered after ``timeout``
 seconds fails the call with ``TimeoutError``, one that dies without answering with ``RankFailed``.
 Return values travel pickled by value (a tensor sent through torch's queue would be shared memory
 that dies with its process). Every process is ended before ``run_ranks`` returns.
@@ -20,6 +23,7 @@ that dies with its process). Every process is ended before ``run_ranks`` returns
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import queue
@@ -27,6 +31,7 @@ import socket
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -71,7 +76,7 @@ def _worker(
     os.environ.update(environ)
     os.chdir(cwd)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))  # ranks share the cores
-    ok = False
+    ok, cause = False, rank
     try:
         dist.init_process_group(
             "gloo",
@@ -84,6 +89,8 @@ def _worker(
         payload, ok, text = pickle.dumps(fn(rank, world_size, *args)), True, ""
     except BaseException as error:  # everything goes back to the parent, KeyboardInterrupt too
         text = traceback.format_exc()
+        named = getattr(error, "rank", None)  # the rank the error says it came from
+        cause = named if isinstance(named, int) else rank
         try:
             payload = pickle.dumps(error)
             pickle.loads(payload)
@@ -91,9 +98,33 @@ def _worker(
             payload = pickle.dumps(RankFailed(f"{type(error).__name__}: {error}"))
     # Report before tearing the group down: teardown makes peers blocked in collectives fail too,
     # and the parent must see the first failure, not its echoes.
-    results.put((rank, ok, payload, text, time.time()))
+    results.put((rank, ok, payload, text, time.time(), cause))
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+@dataclass(frozen=True)
+class _Failure:
+    """A rank's report that it raised: ``cause`` is the rank its error says it came from."""
+
+    rank: int
+    cause: int
+    when: float
+    payload: bytes
+    text: str
+
+
+def _the_cause(failures: list[_Failure], world_size: int) -> BaseException:
+    """The error to raise for ``failures``: a rank's own error before another rank's copy of it,
+    then the earliest (later ones are usually peers losing their connection), with ``rank`` set
+    to the rank it came from and that rank's traceback as a note."""
+    first = min(failures, key=lambda f: (f.rank != f.cause, f.when))
+    error = pickle.loads(first.payload)
+    with contextlib.suppress(AttributeError):  # an exception type without a __dict__
+        error.rank = first.cause
+    if hasattr(error, "add_note"):  # Python 3.11+
+        error.add_note(f"raised on rank {first.rank} of {world_size}:\n{first.text}")
+    return error
 
 
 def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 120) -> list[Any]:
@@ -110,7 +141,7 @@ def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout: floa
     for proc in procs:
         proc.start()
     values: dict[int, Any] = {}
-    failures: list[tuple[float, int, bytes, str]] = []
+    failures: list[_Failure] = []
     deadline = time.monotonic() + timeout
     try:
         while len(values) + len(failures) < world_size:
@@ -123,21 +154,16 @@ def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout: floa
             if dead and results.empty() and not failures:
                 raise RankFailed(f"ranks {dead} exited with codes {[procs[r].exitcode for r in dead]}")
             try:
-                rank, ok, payload, text, when = results.get(timeout=0.2)
+                rank, ok, payload, text, when, cause = results.get(timeout=0.2)
             except queue.Empty:
                 continue
             if ok:
                 values[rank] = pickle.loads(payload)
             else:
-                failures.append((when, rank, payload, text))
+                failures.append(_Failure(rank, cause, when, payload, text))
                 deadline = min(deadline, time.monotonic() + _GRACE_S)
         if failures:
-            # The earliest failure is the cause; later ones are usually peers losing their connection.
-            _, rank, payload, text = min(failures)
-            error = pickle.loads(payload)
-            if hasattr(error, "add_note"):  # Python 3.11+
-                error.add_note(f"raised on rank {rank} of {world_size}:\n{text}")
-            raise error
+            raise _the_cause(failures, world_size)
     finally:
         for proc in procs:
             proc.join(timeout=5 if len(values) == world_size else 0)

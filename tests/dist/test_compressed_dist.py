@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from hp_dcp_hf.tools.launch import run_ranks
-from hp_dcp_hf.tools.toolkit import plan_ranks
+from hp_dcp_hf.tools.rank_plans import plan_ranks
 from tests.support.compressed import make_case, read_tensors
 from tests.support.families import family_model_class, load_family_reference
 

@@ -35,7 +35,7 @@ import hp_dcp_hf
 from hp_dcp_hf.errors import HPDCPHFError
 from hp_dcp_hf.storage.format.journal import JOURNAL_FILE
 from hp_dcp_hf.storage.write.writer import destination_for
-from hp_dcp_hf.tools.toolkit import inspect_checkpoint
+from hp_dcp_hf.tools.inspection import inspect_checkpoint
 from tests.support.families import family_model_class, save_family_model
 from tests.support.save_jobs import SHARD, Zygote, build_model
 from tests.support.servers.s3 import BUCKET, MotoS3

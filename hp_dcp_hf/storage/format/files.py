@@ -14,12 +14,16 @@ from __future__ import annotations
 import json
 import math
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from hp_dcp_hf.storage.format.dtypes import SAFETENSORS_DTYPES
+
+if TYPE_CHECKING:
+    from hp_dcp_hf.storage.format.catalog import CheckpointTensor
 
 FILE_PATTERN = "model{suffix}.safetensors"
 _NAMES = {d.torch_dtype: name for name, d in SAFETENSORS_DTYPES.items() if d.pack == 1 and name != "F8_E8M0"}
@@ -62,12 +66,18 @@ def save_pretrained_max_shard_size() -> int | str:
     return inspect.signature(PreTrainedModel.save_pretrained).parameters["max_shard_size"].default
 
 
-def source_shard_size(file_bytes: Mapping[str, int]) -> int | None:
-    """The ``max_shard_size`` that splits a save of a checkpoint's tensors into the files it has
-    (``file_bytes``: each file's tensor bytes): its largest file's. ``save_pretrained``'s split is
-    greedy (a file closes when the next tensor would pass the limit), so with the limit that wrote
-    the source, or this one (no larger, and every source file fits), it closes each file where the
-    source's closed, for the same tensors in the same order. None for one file (the default keeps it one)."""
+def source_shard_size(entries: Iterable[CheckpointTensor], dtype: torch.dtype | None = None) -> int | None:
+    """The ``max_shard_size`` that saves a checkpoint's tensors (``entries``, its catalog's) into the
+    files it has: its largest file's tensor bytes, each floating-point tensor counted in ``dtype``
+    (the one the save writes; None: its own). ``save_pretrained``'s split is greedy (a file closes
+    when the next tensor would pass the limit), so with the limit that wrote the source, or this one
+    (no larger, and every source file fits), it closes each file where the source's closed, for the
+    same tensors in the same order. None for one file (the default keeps it one)."""
+    file_bytes: dict[str, int] = {}
+    for entry in entries:
+        itemsize = dtype.itemsize if dtype is not None and entry.dtype.is_floating_point else entry.dtype.itemsize
+        for part in entry.parts:
+            file_bytes[part.file] = file_bytes.get(part.file, 0) + part.nbytes // entry.dtype.itemsize * itemsize
     return max(file_bytes.values()) if len(file_bytes) > 1 else None
 
 

@@ -1,5 +1,5 @@
 """A reader that keeps its requests, for the CLI's and the demo's tables (its own module, so that
-:mod:`hp_dcp_hf.tools.toolkit` imports torch's DCP only when a command reads data)."""
+:mod:`hp_dcp_hf.tools` imports torch's DCP only when a command reads data)."""
 
 from __future__ import annotations
 
