@@ -119,7 +119,7 @@ def _failures(rank: int, path: str) -> dict[str, str]:
         ("read", 2, fsspec_backend._LocalFile, "read_into", read_fails),
         ("exchange", 1, exchange.Stream, "take_into", take_fails),
     ):
-        real = getattr(cls, method)
+        real = cls.__dict__[method]  # as defined (a staticmethod stays one when put back)
         if rank == rank_failing:
             setattr(cls, method, broken)
         try:
