@@ -6,7 +6,7 @@ into requests: when the destination is a contiguous CPU tensor of the checkpoint
 land in it directly; otherwise they go through a slot of a bounded staging ring and ``copy_``
 (which casts and writes through non-contiguous views). CUDA destinations are always staged, in
 pinned slots, and copied to the device asynchronously while the next reads run
-(:mod:`hp_dcp_hf.storage.read.ring`).
+(:mod:`hp_dcp_hf.storage.read.staging`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from hp_dcp_hf.storage.format.ranges import Request, coalesce, count_requests
 from hp_dcp_hf.storage.read.chunks import (
     Chunk,
     Chunker,
-    aligned,
     batches,
     committer,
     destination,
@@ -34,7 +33,7 @@ from hp_dcp_hf.storage.read.copy import copy_into
 from hp_dcp_hf.storage.read.mode import ReadRecord
 from hp_dcp_hf.storage.read.options import ReadSettings
 from hp_dcp_hf.storage.read.prefetch import Prefetcher, advise
-from hp_dcp_hf.storage.read.ring import Copy, SlotCopier, StagingRing
+from hp_dcp_hf.storage.read.staging import Staging
 from hp_dcp_hf.storage.transport.location import CheckpointLocation, RangeFile
 
 LARGE_RANGE = 1 << 20
@@ -71,9 +70,7 @@ class DirectRead:
         # One slot per batch being read, and one more: a batch's reads overlap the previous batch's
         # copies to the device. Host destinations release their slot before the next batch, so they
         # never hold more than one slot per reader.
-        devices = {dest.device for dest in dests if dest.device.type == "cuda"}
-        ring = StagingRing(settings.batch_workers + 1, chunk_budget, pin=bool(devices))
-        copier = SlotCopier(ring, devices)
+        staging = Staging(dests, settings.batch_workers + 1, chunk_budget)
 
         todo = batches(chunks, chunk_budget)
         prefetcher = (
@@ -94,7 +91,7 @@ class DirectRead:
         requests = ThreadPoolExecutor(options.num_threads, "hp-dcp-hf-get") if remote else contextlib.nullcontext()
         try:
             with requests as self._request_pool, ThreadPoolExecutor(settings.batch_workers) as pool:
-                futures = [pool.submit(self._read_batch, location, batch, finish, copier, record) for batch in todo]
+                futures = [pool.submit(self._read_batch, location, batch, finish, staging, record) for batch in todo]
                 completed, _ = wait(futures, return_when=FIRST_EXCEPTION)
                 failed = [f for f in completed if f.exception() is not None]
                 if failed:
@@ -103,9 +100,9 @@ class DirectRead:
         finally:
             if prefetcher is not None:
                 prefetcher.close()
-            copy_error = copier.close()  # every device copy done, its items committed
-            record.staging = copier.stats
-            if devices:
+            copy_error = staging.close()  # every device copy done, its items committed
+            record.staging = staging.stats
+            if staging.devices:
                 record.seconds["copy"] = record.staging.wait_seconds
         if failed:
             raise failed[0].exception()  # type: ignore[misc]
@@ -117,24 +114,16 @@ class DirectRead:
         location: CheckpointLocation,
         batch: list[Chunk],
         finish: Callable[[list[Chunk]], None],
-        copier: SlotCopier,
+        staging: Staging,
         record: ReadRecord,
     ) -> None:
         """Read one batch (one file, at most the per-thread budget) into its destinations, or into a
-        staging slot that ``copier`` empties into them; commit it once they hold its values."""
+        staging slot emptied into them; commit it once they hold its values."""
         options = self.settings.options
         file = batch[0].entry.file
         mapped = self.settings.mapped and all(chunk.mappable for chunk in batch) and not _large_reads(batch)
-        # A mapping copies into any host tensor (casting, strided); ranges land only where bytes fit.
-        offsets: dict[int, int] = {}
-        size = 0
-        for i, chunk in enumerate(batch):
-            if not (chunk.host if mapped else chunk.direct):
-                offsets[i] = size
-                size += aligned(chunk.nbytes)
-        slot = copier.ring.acquire(size) if size else None
-        staged = {i: batch[i].staged_view(slot.data, offset) for i, offset in offsets.items()} if slot is not None else {}
-        targets = [staged.get(i, chunk.dest) for i, chunk in enumerate(batch)]
+        staged = staging.stage(batch, mapped)
+        targets = staged.targets
         try:
             with location.open(file) as handle:  # closing checks the file is unchanged
                 if options.direct_io:
@@ -146,14 +135,12 @@ class DirectRead:
                 else:
                     self._read_ranges(handle, batch, targets, record)
         except BaseException as e:
-            if slot is not None:
-                copier.ring.release(slot)
+            staged.release()
             if isinstance(e, StorageReadError) and e.key is None:
                 keys = ", ".join(dict.fromkeys(chunk.entry.key for chunk in batch))
                 raise StorageReadError(e.reason, file=e.file, key=keys) from e
             raise
-        copies: list[Copy] = [(batch[i].dest, values) for i, values in staged.items()]
-        copier.copy(slot, copies, lambda: finish(batch))
+        staged.deliver(lambda: finish(batch))
 
     def _read_ranges(
         self, handle: RangeFile, batch: list[Chunk], targets: list[torch.Tensor], record: ReadRecord

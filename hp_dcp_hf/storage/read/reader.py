@@ -7,8 +7,8 @@ of checkpoint tensors, also where a tensor is stored in chunks across files (tor
 HF files): the reader splits each box by chunk and reads every piece from its own file
 (:mod:`hp_dcp_hf.storage.read.chunks`). Data: ``read_data`` hands the plan to one read mode,
 picked once per load from the options and the world size: each rank reads its own ranges
-(:mod:`hp_dcp_hf.storage.read.direct`, staging device destinations through the ring of
-:mod:`hp_dcp_hf.storage.read.ring`), or the ranks read every byte once between them and exchange
+(:mod:`hp_dcp_hf.storage.read.direct`, through the staging slots of
+:mod:`hp_dcp_hf.storage.read.staging` where a destination cannot take the bytes as read), or the ranks read every byte once between them and exchange
 it (:mod:`hp_dcp_hf.storage.read.cooperative`). The options are one checked
 :class:`~hp_dcp_hf.storage.read.options.ReaderOptions`.
 """
