@@ -331,7 +331,7 @@ def needs_of(items: Sequence[Any], ckpt: Checkpoint, table: Any, tensors: Sequen
     file and first byte."""
     from hp_dcp_hf.geometry.box import Box
     from hp_dcp_hf.storage.format.ranges import box_span, split_box
-    from hp_dcp_hf.storage.read.spans import Need
+    from hp_dcp_hf.storage.read.needs import Need
 
     keyed = []
     for item in items:
@@ -380,7 +380,8 @@ def rank_spans(rank: int, mine: Any, encoded: Sequence[Any], tensors: Any, files
 
 def _rank_spans(rank: int, mine: Any, encoded: Sequence[Any], tensors: Any, files: Sequence[str],
                 nodes: Sequence[int]) -> tuple[Any, dict[str, float], int]:
-    from hp_dcp_hf.storage.read.spans import ClusterPlan, decode_needs
+    from hp_dcp_hf.storage.read.needs import decode_needs
+    from hp_dcp_hf.storage.read.spans import ClusterPlan
 
     t0 = time.perf_counter()
     needs = [mine if r == rank else decode_needs(encoded[r], tensors) for r in range(len(encoded))]
@@ -403,7 +404,7 @@ def cached_needs(ckpt: Checkpoint, layout: Layout, composition: Any, table: Any,
     (planning every rank takes minutes; the needs depend on the layout and the chunk size only)."""
     import numpy as np
 
-    from hp_dcp_hf.storage.read.spans import encode_needs
+    from hp_dcp_hf.storage.read.needs import encode_needs
 
     root = Path(os.environ.get("BENCH_CACHE", Path.home() / ".cache" / "hp-dcp-hf-bench"))
     path = root / f"needs-{ckpt.files}files-{len(ckpt.entries)}-{layout.name}-{layout.world}-{budget}.npz"
@@ -449,7 +450,8 @@ def spans_record(ckpt: Checkpoint, layout: Layout, composition: Any, totals: dic
     rank's planning when it misses :data:`SPANS_TARGET_S`."""
     import numpy as np
 
-    from hp_dcp_hf.storage.read.spans import SPAN_BYTES, decode_needs, traffic
+    from hp_dcp_hf.storage.read.needs import decode_needs
+    from hp_dcp_hf.storage.read.spans import SPAN_BYTES, traffic
 
     budget = chunk_bytes()
     table = stored_table(ckpt)

@@ -19,7 +19,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 
 from hp_dcp_hf import load_hf_checkpoint
-from hp_dcp_hf.storage.read import reader as reader_module
+from hp_dcp_hf.storage.read import chunks as chunks_module
 from hp_dcp_hf.storage.read.reader import HFStorageReader
 from hp_dcp_hf.storage.read.ring import SlotCopier, StagingRing
 from tests.support.models import build_model
@@ -64,7 +64,7 @@ def _load(checkpoint: Path, **options) -> tuple[dict[str, torch.Tensor], HFStora
 @pytest.mark.parametrize("mapped", [True, False], ids=["mapped", "preadv"])
 def test_staged_route_matches_direct_path(checkpoint: Path, monkeypatch: pytest.MonkeyPatch, mapped: bool) -> None:
     direct, direct_reader = _load(checkpoint, map_local_files=mapped)
-    monkeypatch.setattr(reader_module._Chunk, "host", property(lambda self: False))
+    monkeypatch.setattr(chunks_module.Chunk, "host", property(lambda self: False))
     staged, reader = _load(checkpoint, map_local_files=mapped)
     for key, value in TENSORS.items():
         want = value.to(staged[key].dtype)
@@ -127,7 +127,7 @@ def test_reads_larger_than_a_slot_are_cut(checkpoint: Path, monkeypatch: pytest.
     sizes: list[int] = []
     acquire = StagingRing.acquire
     monkeypatch.setattr(StagingRing, "acquire", lambda self, n: sizes.append(n) or acquire(self, n))
-    monkeypatch.setattr(reader_module._Chunk, "host", property(lambda self: False))
+    monkeypatch.setattr(chunks_module.Chunk, "host", property(lambda self: False))
     state_dict, reader = _load(checkpoint)
     assert _bits(state_dict["big"]) == _bits(TENSORS["big"])
     assert len(sizes) >= TENSORS["big"].nbytes // 256 and max(sizes) <= 256

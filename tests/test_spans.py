@@ -4,6 +4,8 @@ their owners, and the streams sender and receiver derive apart, checked against 
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 from unittest import mock
 
 import numpy as np
@@ -15,17 +17,10 @@ from hypothesis import strategies as st
 from hp_dcp_hf.geometry.box import Box
 from hp_dcp_hf.storage.read import spans as spans_module
 from hp_dcp_hf.storage.read.exchange import ReadProgress, Region, Stream
-from hp_dcp_hf.storage.read.spans import (
-    ClusterPlan,
-    Need,
-    StoredTensor,
-    Tensors,
-    decode_needs,
-    encode_needs,
-    needed_union,
-    runs,
-    traffic,
-)
+from hp_dcp_hf.storage.read.needs import Need, StoredTensor, Tensors, decode_needs, encode_needs
+from hp_dcp_hf.storage.read.routing import runs
+from hp_dcp_hf.storage.read.spans import ClusterPlan, traffic
+from hp_dcp_hf.storage.read.union import needed_union
 
 FILES = ("a.safetensors", "b.safetensors")
 
@@ -233,3 +228,12 @@ def test_a_sender_stops_at_the_first_span_not_read_yet():
     progress.read(1)
     assert stream.take_into(out, 8) == 2 and out[:2].tolist() == [4, 5] and stream.finished
     assert moved == [(0, 3), (1, 2)]
+
+
+def test_the_span_arithmetic_imports_neither_torch_nor_its_distributed_package():
+    code = ("import sys\n"
+            "import hp_dcp_hf.storage.read.needs, hp_dcp_hf.storage.read.union\n"
+            "import hp_dcp_hf.storage.read.routing, hp_dcp_hf.storage.read.spans\n"
+            "print(sorted(m for m in ('torch', 'torch.distributed') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

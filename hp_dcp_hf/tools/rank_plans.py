@@ -225,4 +225,4 @@ def reads_mapped(reader: HFStorageReader) -> bool:
     """Whether ``reader`` (after ``read_metadata``) copies out of memory mappings of the files: its
     ``requests`` then count contiguous byte runs copied (one per row of a row-sharded box), not
     requests to storage (see :mod:`hp_dcp_hf.storage.transport.stats`)."""
-    return reader._maps
+    return reader.settings.mapped

@@ -29,17 +29,9 @@ from hp_dcp_hf.storage.format.catalog import CheckpointTensor
 from hp_dcp_hf.storage.format.header import TensorEntry
 from hp_dcp_hf.storage.read.copy import copy_into
 from hp_dcp_hf.storage.read.exchange import ExchangeStats, ReadProgress, Region, Stream, exchange
-from hp_dcp_hf.storage.read.spans import (
-    ClusterPlan,
-    Need,
-    Needs,
-    Run,
-    StoredTensor,
-    Tensors,
-    decode_needs,
-    encode_needs,
-    runs,
-)
+from hp_dcp_hf.storage.read.needs import Need, Needs, StoredTensor, Tensors, decode_needs, encode_needs
+from hp_dcp_hf.storage.read.routing import Run, runs
+from hp_dcp_hf.storage.read.spans import ClusterPlan
 from hp_dcp_hf.storage.transport.location import CheckpointLocation
 from hp_dcp_hf.storage.transport.stats import ReadStats
 from hp_dcp_hf.util.collectives import collective_device
