@@ -104,3 +104,13 @@ class QuantizationError(CheckpointFormatError):
 
 class PipelineError(HPDCPHFError):
     """A stage of :func:`from_pretrained` cannot run: no config, no model class, a bad transform."""
+
+
+class SyncError(HPDCPHFError):
+    """A weight update between a trainer and an inference engine failed: a peer died or timed out, a
+    message broke the protocol, the two sides disagree on the tensors (``key`` names the tensor)."""
+
+
+class VerificationError(HPDCPHFError):
+    """A model's weights differ from the checkpoint's or the trainer's bytes (``key`` names the
+    tensor, the reason the slice)."""
