@@ -81,6 +81,9 @@ class HFWeightSource:
     def _wire_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return self.dtype if self.dtype is not None and dtype.is_floating_point else dtype
 
+    def snapshot(self) -> None:
+        """Called by every rank at the start of each update (a collective where values need one)."""
+
     def metadata(self) -> list[TensorMeta]:
         """Every checkpoint tensor, in the checkpoint's order, the same on every rank."""
         return list(self._metadata)

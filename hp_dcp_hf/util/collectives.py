@@ -105,3 +105,18 @@ def share_from_rank0(produce: Callable[[], bytes]) -> bytes:
         raise
     _broadcast(bytes([_OK]) + payload)
     return payload
+
+
+def all_gather_bytes(payload: bytes) -> list[bytes]:
+    """Every rank's ``payload``, in rank order, on every rank (two all-gathers: lengths, then the
+    bytes padded to the longest); nothing is pickled."""
+    device, world = collective_device(), dist.get_world_size()
+    length = torch.tensor([len(payload)], dtype=torch.int64, device=device)
+    lengths = [torch.empty_like(length) for _ in range(world)]
+    dist.all_gather(lengths, length)
+    longest = max(int(n.item()) for n in lengths)
+    data = torch.zeros(longest, dtype=torch.uint8, device=device)
+    data[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else data[:0]
+    gathered = [torch.empty_like(data) for _ in range(world)]
+    dist.all_gather(gathered, data)
+    return [g.cpu().numpy().tobytes()[: int(n.item())] for g, n in zip(gathered, lengths)]

@@ -1,0 +1,118 @@
+"""The weight-sync wire format: frames of a JSON header and raw tensor bytes over TCP.
+
+A frame is an 8-byte little-endian header length, the header (UTF-8 JSON, an object), and then
+``header["nbytes"]`` bytes of payload (0 when absent). JSON and raw little-endian tensor bytes
+only: nothing received is unpickled. Every socket operation has a deadline; a peer that closes,
+resets or stays silent past it is a :class:`~hp_dcp_hf.errors.SyncError` naming the peer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import struct
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from hp_dcp_hf.errors import SyncError
+from hp_dcp_hf.geometry.box import Box
+from hp_dcp_hf.sync.checksums import tensor_bytes
+
+PROTOCOL = 1
+_LENGTH = struct.Struct("<Q")
+_MAX_HEADER = 64 << 20  # a header is metadata: a longer one is a broken peer, not a big model
+
+
+class Connection:
+    """One TCP connection to a peer (``peer`` names it in errors), with a deadline per operation."""
+
+    def __init__(self, sock: socket.socket, peer: str, timeout_s: float) -> None:
+        self.sock = sock
+        self.peer = peer
+        sock.settimeout(timeout_s)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+    @classmethod
+    def connect(cls, address: tuple[str, int], peer: str, timeout_s: float) -> Connection:
+        try:
+            sock = socket.create_connection(address, timeout=timeout_s)
+        except OSError as error:
+            raise SyncError(f"cannot connect to {peer} at {address[0]}:{address[1]}: {error}") from error
+        return cls(sock, peer, timeout_s)
+
+    def send(self, header: dict[str, Any], payload: Sequence[torch.Tensor] = ()) -> None:
+        """One frame: ``header`` (its ``nbytes`` set here) and the bytes of ``payload``'s tensors,
+        in order, without joining them first."""
+        views = [tensor_bytes(t) for t in payload if t.numel()]
+        header = {**header, "nbytes": sum(v.nbytes for v in views)}
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        try:
+            self.sock.sendall(_LENGTH.pack(len(raw)) + raw)
+            for view in views:
+                self.sock.sendall(view)
+        except OSError as error:  # timeouts included (socket.timeout is an OSError)
+            raise SyncError(f"sending to {self.peer} failed: {_why(error)}") from error
+        self.bytes_sent += header["nbytes"]
+
+    def receive(self) -> tuple[dict[str, Any], bytearray]:
+        """The next frame's header and payload."""
+        (length,) = _LENGTH.unpack(self._exactly(_LENGTH.size))
+        if length > _MAX_HEADER:
+            raise SyncError(f"{self.peer} sent a header of {length} bytes: not this protocol")
+        try:
+            header = json.loads(self._exactly(length))
+        except ValueError as error:
+            raise SyncError(f"{self.peer} sent a header that is not JSON: {error}") from error
+        if not isinstance(header, dict):
+            raise SyncError(f"{self.peer} sent a header that is not a JSON object")
+        payload = self._exactly(int(header.get("nbytes", 0)))
+        self.bytes_received += len(payload)
+        return header, payload
+
+    def _exactly(self, n: int) -> bytearray:
+        buffer = bytearray(n)
+        view, got = memoryview(buffer), 0
+        try:
+            while got < n:
+                k = self.sock.recv_into(view[got:])
+                if k == 0:
+                    raise SyncError(f"{self.peer} closed the connection ({got} of {n} bytes of a frame received)")
+                got += k
+        except OSError as error:
+            raise SyncError(f"receiving from {self.peer} failed: {_why(error)}") from error
+        return buffer
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+
+def _why(error: OSError) -> str:
+    if isinstance(error, TimeoutError | socket.timeout):
+        return "no answer within the deadline (the peer is gone or stuck)"
+    return f"{type(error).__name__}: {error}"
+
+
+def box_json(box: Box) -> list[list[int]]:
+    return [list(box.offsets), list(box.sizes)]
+
+
+def box_from_json(value: Any) -> Box:
+    offsets, sizes = value
+    return Box(tuple(int(o) for o in offsets), tuple(int(s) for s in sizes))
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise SyncError(f"unknown dtype {name!r} on the wire")
+    return dtype
