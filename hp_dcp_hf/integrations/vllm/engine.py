@@ -1,0 +1,115 @@
+"""The worker side of the ``hp_dcp_hf`` backend: a vLLM ``WeightTransferEngine`` that receives the
+checkpoint-tensor boxes its worker consumes from every trainer rank and loads them through vLLM's
+own ``load_weights``, inside vLLM's layerwise reload.
+
+The transfer completes before anything is loaded (:class:`~hp_dcp_hf.sync.receiver.WeightReceiver`):
+a trainer rank that fails mid-update leaves the engine serving its previous weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+from vllm.logger import init_logger
+
+from hp_dcp_hf.errors import SyncError
+from hp_dcp_hf.geometry.box import Box
+from hp_dcp_hf.sync.receiver import WeightReceiver
+from hp_dcp_hf.sync.source import TensorMeta
+from hp_dcp_hf.sync.wire import dtype_from_name
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class HFSyncInitInfo(WeightTransferInitInfo):
+    """What the trainer's rank 0 sends once (``init_weight_transfer_engine``): where the trainer
+    ranks listen and the checkpoint tensors they send (``[name, dtype, shape]``)."""
+
+    trainers: list[list[Any]] = field(default_factory=list)
+    tensors: list[list[Any]] = field(default_factory=list)
+    timeout_s: float = 60.0
+    verify: bool = False
+
+
+@dataclass
+class HFSyncUpdateInfo(WeightTransferUpdateInfo):
+    """One update (``update_weights``): its number, the same on both sides."""
+
+    update: int = 0
+
+
+def worker_needs(model: torch.nn.Module, tensors: list[TensorMeta], tp_size: int) -> dict[str, list[Box]]:
+    """The boxes of each checkpoint tensor this worker's ``load_weights`` reads."""
+    if tp_size == 1:
+        return {meta.name: [Box.full(meta.shape)] for meta in tensors}
+    from hp_dcp_hf.integrations.vllm.needs import consumed_boxes
+
+    return consumed_boxes(model, tensors)
+
+
+class HFSyncEngine(WeightTransferEngine[HFSyncInitInfo, HFSyncUpdateInfo]):
+    """vLLM worker engine of the ``hp_dcp_hf`` backend (see the module docstring)."""
+
+    init_info_cls = HFSyncInitInfo
+    update_info_cls = HFSyncUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config, vllm_config, device, model) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.receiver: WeightReceiver | None = None
+        self._loaded = False
+
+    def init_transfer_engine(self, init_info: HFSyncInitInfo) -> None:
+        from vllm.distributed.parallel_state import get_world_group
+
+        tensors = [TensorMeta(name, dtype_from_name(dtype), tuple(shape)) for name, dtype, shape in init_info.tensors]
+        needs = worker_needs(self.model, tensors, self.parallel_config.tensor_parallel_size)
+        group = get_world_group()
+        if self.receiver is not None:
+            self.receiver.close()
+        self.receiver = WeightReceiver([tuple(a) for a in init_info.trainers], tensors, needs,
+                                       worker=group.rank, workers=group.world_size,
+                                       timeout_s=init_info.timeout_s, verify=init_info.verify)
+        logger.info("hp_dcp_hf weight sync: worker %d of %d consumes %d tensors, %d bytes", group.rank,
+                    group.world_size, len(self.receiver.needs), self.receiver.needed_bytes)
+
+    def start_weight_update(self) -> None:
+        self._loaded = False  # the reload starts once the update's bytes have all arrived
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        # The base class synchronizes an accelerator afterwards; this engine's loads are synchronous.
+        self.receive_weights(self.parse_update_info(update_info))
+
+    def receive_weights(self, update_info: HFSyncUpdateInfo) -> None:
+        if self.receiver is None:
+            raise SyncError("the hp_dcp_hf weight transfer is not initialized: call init_weight_transfer_engine")
+        tensors = self.receiver.receive(update_info.update)
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
+        self._loaded = True
+        self.model.load_weights(iter(tensors.items()))
+        stats = self.receiver.stats
+        logger.info("hp_dcp_hf weight sync: update %d: %d bytes from %d trainer ranks in %.3f s",
+                    update_info.update, stats.bytes_received, len(stats.bytes_per_trainer), stats.seconds)
+
+    def finish_weight_update(self) -> None:
+        if not self._loaded:
+            return
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self.model, self.model_config)
+        self._loaded = False
+
+    def shutdown(self) -> None:
+        if self.receiver is not None:
+            self.receiver.close()
+            self.receiver = None
