@@ -622,6 +622,19 @@ def test_legacy_amplification_is_over_what_the_shards_need(capsys, llama):
             "legacy loader reads whole tensors, then keeps the shards)\nloaded ") in out  # one rank: whole tensors
 
 
+def test_load_verify_reads_each_checkpoint_byte_once(capsys, llama):
+    """``load --verify``: the loaded shards compared with the checkpoint's bytes, every one read."""
+    code, out, err = _run_cli(capsys, "load", str(llama.path), "--verify", "--json")
+    assert code == 0, err
+    (row,) = json.loads(out)["ranks"]
+    tensor_bytes = sum(f.stat().st_size - 8 - int.from_bytes(f.read_bytes()[:8], "little")
+                       for f in llama.path.glob("*.safetensors"))
+    assert row["verified"]["read"]["bytes_read"] == tensor_bytes and row["verified"]["absent"] == []
+    code, out, err = _run_cli(capsys, "load", str(llama.path), "--verify")
+    assert code == 0, err
+    assert "slices of the checkpoint's tensors" in out and "equal to the checkpoint's" in out
+
+
 def test_load_save_to_writes_the_checkpoint_back(capsys, llama, tmp_path):
     """``load --save-to``: the loaded model saved back is the checkpoint it came from."""
     from tests.support.checkpoints import assert_same_checkpoint

@@ -34,6 +34,7 @@ statistics and the time of every stage.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import time
@@ -53,6 +54,7 @@ from hp_dcp_hf.model.finalize import finalize, materialize, retie
 from hp_dcp_hf.model.skeleton import build_skeleton, checkpoint_mapping
 from hp_dcp_hf.storage import HFStorageReader
 from hp_dcp_hf.storage.transport.stats import FileStats
+from hp_dcp_hf.sync.verify import VerifyReport, verify_against_checkpoint
 
 __all__ = ["PretrainedLoadReport", "apply_transforms", "from_pretrained", "resolve_transform"]
 
@@ -67,7 +69,7 @@ class PretrainedLoadReport(LoadReport):
 
     ``seconds`` has the wall time of each stage: ``skeleton``, ``transforms``, ``parallelize``,
     ``materialize``, ``load`` (with its phases ``metadata``, ``plan``, ``read``, ``copy``, ``exchange``), then
-    ``finalize`` and, with ``adapter=``, ``adapter``."""
+    ``finalize``, with ``verify=True`` ``verify`` and, with ``adapter=``, ``adapter``."""
 
     initialized_keys: tuple[str, ...] = ()
     """Model tensors the model's own init filled: missing keys and non-persistent buffers."""
@@ -82,6 +84,8 @@ class PretrainedLoadReport(LoadReport):
     """What a requested mesh dim left whole, and why (:class:`hp_dcp_hf.parallel.Unsharded`)."""
     adapter: LoadReport | None = None
     """The load of ``adapter=`` (its ``adapter_model.safetensors`` keys), when one was given."""
+    verified: VerifyReport | None = None
+    """What ``verify=True`` compared on this rank (None without it)."""
 
 
 def from_pretrained(
@@ -104,6 +108,7 @@ def from_pretrained(
     init_seed: int | None = None,
     adapter: str | os.PathLike | None = None,
     is_trainable: bool = False,
+    verify: bool = False,
     **reader_options: Any,
 ) -> tuple[nn.Module, PretrainedLoadReport]:
     """Build, rewrite, parallelize and load a Hugging Face checkpoint; every rank calls it.
@@ -153,6 +158,11 @@ def from_pretrained(
         is_trainable: ``PeftModel.from_pretrained``'s: ``False`` (the default) freezes every
             tensor, the adapter's too; ``True`` trains the adapter's (LoRA, ``modules_to_save``),
             the base frozen.
+        verify: after the load, check the model's shards against the checkpoint's bytes through
+            the save's inversion (:func:`~hp_dcp_hf.sync.verify.verify_against_checkpoint`, each
+            byte read once between the ranks, with a reader of its own);
+            :class:`~hp_dcp_hf.errors.VerificationError` on every rank when any differs,
+            ``report.verified`` what was compared. With ``adapter=``: the base checkpoint.
         **reader_options: :class:`HFStorageReader` options (``storage_options``,
             ``coalesce_gap``, ``num_threads``, ...).
 
@@ -187,14 +197,20 @@ def from_pretrained(
         watch.lap("load")
         watch.seconds.update(base.seconds)
         initialized = _finalize(base_model, base.loaded_keys, init_seed)
-    watch.lap("finalize")
+        watch.lap("finalize")
+        verified = None
+        if verify:  # its own reader: the load's statistics stay the load's
+            fresh = HFStorageReader(reader.path, **dataclasses.asdict(reader.options))
+            verified = verify_against_checkpoint(base_model, path_or_repo, reader=fresh, weights_mapping=weights_mapping)
+            watch.lap("verify")
     adapter_report = None
     if adapter_step is not None:
         adapter_report = adapter_step.load()
         watch.lap("adapter")
 
-    return model, _report(base, initialized, loader=loader, planner=planner, reader=reader, seconds=watch.seconds,
-                          parallelize=parallelize, adapter=adapter_report)
+    report = _report(base, initialized, loader=loader, planner=planner, reader=reader, seconds=watch.seconds,
+                     parallelize=parallelize, adapter=adapter_report)
+    return model, dataclasses.replace(report, verified=verified)
 
 
 # -- the stages ----------------------------------------------------------------------------------

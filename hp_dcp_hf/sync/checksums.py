@@ -1,16 +1,30 @@
-"""Per-slice checksums: what deltas compare between updates and what verification compares across
-the wire. A digest is of the tensor's bytes, so it is exact for every dtype."""
+"""Checksums of slices of checkpoint tensors: what two sides compare instead of the bytes.
+
+A trainer and an engine (or a model and its checkpoint) hold the same slice of a Hugging Face
+tensor in different processes; comparing a short digest of each side's bytes is exact (a digest of
+the dtype's bytes, so ``-0.0`` differs from ``0.0`` and one NaN payload from another, where
+``torch.equal`` would call NaNs unequal and signed zeros equal) and costs a few bytes per slice on
+the wire. Pure: no ``torch.distributed``.
+"""
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 
+from hp_dcp_hf.geometry.box import Box
+
+DIGEST_BYTES = 16
+"""blake2b digest length: 128 bits, far beyond any chance collision over a model's slices."""
+
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
-    """``tensor``'s elements as bytes, row-major (a copy only when they are not contiguous already)."""
-    flat = tensor.detach().reshape(-1)
+    """``tensor``'s elements as bytes in row-major order, whatever the dtype (bf16, fp8, bool): a view
+    of its storage when it is contiguous host memory, else of a contiguous host copy."""
+    flat = tensor.detach().to("cpu").reshape(-1)
     if flat.numel() == 0:
         return memoryview(b"")
     if flat.stride(0) != 1:  # one element of stride 0: contiguous to torch (reshape and clone keep it)
@@ -19,5 +33,44 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
 
 
 def digest(tensor: torch.Tensor) -> str:
-    """A hex digest of ``tensor``'s bytes (row-major)."""
-    return hashlib.blake2b(tensor_bytes(tensor), digest_size=16).hexdigest()
+    """The hex blake2b digest of ``tensor``'s bytes in row-major order, its dtype and shape with them
+    (the same bytes read as another dtype or shape are another slice). Deterministic across
+    processes and machines."""
+    hasher = hashlib.blake2b(digest_size=DIGEST_BYTES)
+    hasher.update(f"{str(tensor.dtype).removeprefix('torch.')}{list(tensor.shape)}".encode())
+    hasher.update(tensor_bytes(tensor))
+    return hasher.hexdigest()
+
+
+@dataclass(frozen=True)
+class SliceDigest:
+    """The digest of box ``box`` of checkpoint tensor ``name``, as one side holds it."""
+
+    name: str
+    box: Box
+    digest: str
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """A slice whose two sides differ: ``expected`` is the reference side's digest (the checkpoint's,
+    the trainer's), ``actual`` the checked side's; either is None where that side lacks the slice."""
+
+    name: str
+    box: Box
+    expected: str | None
+    actual: str | None
+
+
+def mismatches(expected: Iterable[SliceDigest], actual: Iterable[SliceDigest]) -> list[Mismatch]:
+    """Every slice, keyed by ``(name, box)``, whose digests differ or which only one side has, in
+    ``expected``'s order (then ``actual``'s extras). The two sides must cut tensors into the same
+    boxes: a slice cut differently on the other side is two one-sided mismatches, never a match."""
+    theirs = {(d.name, d.box): d.digest for d in actual}
+    found = []
+    for ours in expected:
+        other = theirs.pop((ours.name, ours.box), None)
+        if other != ours.digest:
+            found.append(Mismatch(ours.name, ours.box, ours.digest, other))
+    found.extend(Mismatch(name, box, None, other) for (name, box), other in theirs.items())
+    return found

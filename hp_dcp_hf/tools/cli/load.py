@@ -1,10 +1,12 @@
-"""``hp-dcp-hf load PATH --mesh dp=2,tp=2 [--forward] [--save-to DIR] [--json]``: the real load, under
-torchrun, on ``--nproc-per-node N`` ranks this host starts (:mod:`.nproc`), or in one process; then a
-per-rank table (bytes needed, read, received, the load's phases) and, with ``--save-to``, the save."""
+"""``hp-dcp-hf load PATH --mesh dp=2,tp=2 [--forward] [--verify] [--save-to DIR] [--json]``: the real load,
+under torchrun, on ``--nproc-per-node N`` ranks this host starts (:mod:`.nproc`), or in one process;
+then a per-rank table (bytes needed, read, received, the load's phases), with ``--verify`` the check
+of the loaded shards against the checkpoint's bytes, and with ``--save-to`` the save."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from collections.abc import Sequence
@@ -31,6 +33,10 @@ def add_parser(new_command: NewCommand) -> None:
     parser.add_argument("--loader", default="dcp", choices=("dcp", "legacy"),
                         help="dcp: each rank reads only its shards' bytes; legacy: whole tensors, then slice")
     parser.add_argument("--forward", action="store_true", help="run one forward pass after loading")
+    parser.add_argument("--verify", action="store_true",
+                        help="after loading, compare every rank's shards with the checkpoint's bytes through the "
+                             "save's mapping (each byte read once between the ranks); a difference fails naming "
+                             "the tensor, the box and the file")
     save_to.add_arguments(parser)
     parser.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
                         help="start N ranks on this host (gloo) instead of running under torchrun; the mesh, "
@@ -100,7 +106,7 @@ def _measured_load(args: argparse.Namespace, mesh: str, rank: int) -> tuple[Any,
         model, report = from_pretrained(
             args.path, dtype=args.dtype, transforms=transforms(args.transforms),
             parallelize=parallelize, loader=args.loader, strict=not args.no_strict,
-            unexpected=args.unexpected, reader=reader, planner_cls=planner_cls,
+            unexpected=args.unexpected, reader=reader, planner_cls=planner_cls, verify=args.verify,
         )
     return model, _Loaded(report, reader, planner_cls, parallelize.describe(), time.perf_counter() - start)
 
@@ -130,6 +136,8 @@ def _row(rank: int, loaded: _Loaded, saved: save_to.Saved | None) -> dict[str, A
         "loaded": len(report.loaded_keys), "missing": len(report.missing_keys),
         "unexpected": len(report.unexpected_keys), "initialized": len(report.initialized_keys),
         "bytes_written": saved.bytes_written if saved else None, "save_s": saved.seconds if saved else None,
+        "verified": dataclasses.asdict(report.verified) if report.verified is not None else None,
+        "verify_s": report.seconds.get("verify"),
         # cooperating: what the rank received from the ranks that read it, and the checkpoint
         # bytes the whole cluster needs, each counted once (the same on every rank)
         "cooperating": reader.spans is not None, "bytes_received": reader.exchange.bytes_received,
@@ -151,10 +159,25 @@ def _print(args: argparse.Namespace, layout: Sequence[str], rows: Sequence[dict[
         print(line)
     if logits is not None:
         print(f"forward: logits {logits['shape']}, mean {logits['mean']:.6f}, finite={logits['finite']}")
+    if args.verify:
+        print(_verified_line(rows))
     if args.save_to:
         print(f"saved to {args.save_to} as save_pretrained writes it, each rank its own bytes: "
               + ", ".join(f"rank {r['rank']} {fmt_bytes(r['bytes_written'])} in {r['save_s']:.2f} s" for r in rows)
               + f"; {fmt_bytes(sum(r['bytes_written'] for r in rows))} in all")
+
+
+def _verified_line(rows: Sequence[dict[str, Any]]) -> str:
+    """What ``--verify`` compared over all ranks (it raised had anything differed)."""
+    from hp_dcp_hf.tools.formatting import fmt_bytes
+
+    checked = [r["verified"] for r in rows]
+    absent = checked[0]["absent"]
+    return (f"verified: {sum(c['slices'] for c in checked)} slices of the checkpoint's tensors, "
+            f"{fmt_bytes(sum(c['bytes_compared'] for c in checked))} in the model's dtype, equal to the checkpoint's; "
+            f"{fmt_bytes(sum(c['read']['bytes_read'] for c in checked))} read from storage in "
+            f"{max(r['verify_s'] for r in rows):.2f} s"
+            + (f"; {len(absent)} tensors not in the checkpoint, not compared: {', '.join(absent[:5])}" if absent else ""))
 
 
 def _load_table(rows: Sequence[dict[str, Any]], *, legacy: bool) -> list[str]:

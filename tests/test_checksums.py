@@ -1,0 +1,53 @@
+"""Slice checksums: a digest of a tensor's bytes, exact to the bit and independent of its memory layout,
+and the comparison of two sides' digests."""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from hp_dcp_hf.geometry.box import Box
+from hp_dcp_hf.sync.checksums import Mismatch, SliceDigest, digest, mismatches
+
+
+def test_digest_is_of_the_bytes_with_dtype_and_shape():
+    values = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    expected = hashlib.blake2b(b"float32[3, 4]" + values.numpy().tobytes(), digest_size=16).hexdigest()
+    assert digest(values) == expected
+    assert digest(values.clone()) == expected  # the same on a copy
+    assert digest(values.reshape(4, 3)) != expected  # same bytes, another shape
+    assert digest(values.view(torch.int32)) != expected  # same bytes, another dtype
+
+
+def test_digest_ignores_the_memory_layout():
+    values = torch.randn(5, 6)
+    assert digest(values.t()) == digest(values.t().contiguous())
+    assert digest(values[1:4, ::2]) == digest(values[1:4, ::2].clone())
+
+
+def test_digest_is_bit_exact_where_equality_is_not():
+    assert digest(torch.tensor([0.0])) != digest(torch.tensor([-0.0]))  # torch.equal calls them equal
+    nan = torch.tensor([float("nan")])
+    assert digest(nan) == digest(nan.clone())  # torch.equal calls NaN unequal to itself
+    flipped = torch.tensor([1.0], dtype=torch.bfloat16)
+    flipped.view(torch.int16)[0] ^= 1  # the lowest mantissa bit
+    assert digest(flipped) != digest(torch.tensor([1.0], dtype=torch.bfloat16))
+
+
+def test_digest_reads_every_dtype():
+    for dtype in (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.bool, torch.int64):
+        values = torch.ones(3, dtype=dtype)
+        assert digest(values) == digest(values.clone())
+        assert digest(torch.zeros(0, dtype=dtype)) != digest(torch.zeros(0, 1, dtype=dtype))
+    assert digest(torch.tensor(2.0)) != digest(torch.tensor([2.0]))  # 0-d is its own shape
+
+
+def test_mismatches_are_differing_and_one_sided_slices():
+    a, b = Box((0,), (4,)), Box((4,), (4,))
+    ours = [SliceDigest("w", a, "1"), SliceDigest("w", b, "2"), SliceDigest("v", a, "3")]
+    theirs = [SliceDigest("w", b, "2"), SliceDigest("w", a, "9"), SliceDigest("u", a, "4")]
+    assert mismatches(ours, theirs) == [
+        Mismatch("w", a, "1", "9"), Mismatch("v", a, "3", None), Mismatch("u", a, None, "4"),
+    ]
+    assert mismatches(ours, list(reversed(ours))) == []
