@@ -27,8 +27,8 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     flat = tensor.detach().to("cpu").reshape(-1)
     if flat.numel() == 0:
         return memoryview(b"")
-    if flat.stride(0) != 1:  # one element of stride 0: contiguous to torch (reshape and clone keep it)
-        flat = flat.as_strided((1,), (1,))
+    if flat.stride(0) != 1:  # a strided view; or one element of stride 0, which torch calls contiguous
+        flat = flat.as_strided((1,), (1,)) if flat.numel() == 1 else flat.contiguous()
     return memoryview(flat.view(torch.uint8).numpy())
 
 
