@@ -18,6 +18,7 @@ class RLServer:
     def __init__(self, llm: Any) -> None:
         self.llm = llm
         self.calls: list[str] = []
+        self.errors: list[BaseException] = []  # what the engine raised, as it raised it
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -28,6 +29,7 @@ class RLServer:
                     server.call(route, body)
                     status, reply = 200, {"status": "ok"}
                 except Exception as error:  # the trainer's client raises on the status
+                    server.errors.append(error)
                     status, reply = 500, {"error": f"{type(error).__name__}: {error}"}
                 data = json.dumps(reply).encode()
                 self.send_response(status)

@@ -1,0 +1,95 @@
+"""A trainer that sends its weights to a vLLM engine: ``torchrun --nproc-per-node N -m
+tests.support.sync_trainer ...``, in the main venv (no vLLM installed; transformers' own TP plans).
+
+It loads ``--checkpoint`` into a parallelized model, then runs ``--updates`` weight updates through
+the engine at ``--engine`` (its HTTP weight-sync routes). Between updates it takes a "training step"
+that changes exactly the tensors of layer 0's attention. After each update every rank writes its
+figures, rank 0 saves the model (``save_hf_checkpoint``, the oracle's files), and the trainer waits
+for the test to have compared the engine (a ``continue-K`` file) before the next step.
+``--die-rank R`` makes rank R exit without a word just before update 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+CHANGED = "layers.0.self_attn."
+
+
+def _parallelize(layout: str):
+    from hp_dcp_hf.parallel.plans import TransformersPlans
+
+    spec = {"fsdp": "dp=WORLD", "tp": "tp=WORLD", "fsdp_tp": "dp=2,tp=2", "ep": "ep=WORLD"}[layout]
+    return TransformersPlans(spec.replace("WORLD", str(dist.get_world_size())), warn=False)
+
+
+def _wait_for(path: Path, timeout_s: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} never appeared")
+        time.sleep(0.05)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--checkpoint", required=True)
+    parser.add_argument("--engine", required=True)
+    parser.add_argument("--workdir", required=True)
+    parser.add_argument("--layout", default="tp")
+    parser.add_argument("--updates", type=int, default=2)
+    parser.add_argument("--delta", action="store_true")
+    parser.add_argument("--die-rank", type=int, default=-1)
+    args = parser.parse_args()
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    from hp_dcp_hf.geometry.shards import local_tensor
+    from hp_dcp_hf.integrations.transformers import from_pretrained
+    from hp_dcp_hf.save.api import save_hf_checkpoint
+    from hp_dcp_hf.sync.client import HTTPEngineClient
+    from hp_dcp_hf.sync.source import HFWeightSource
+    from hp_dcp_hf.sync.trainer import TrainerWeightSync
+
+    config = json.loads(Path(args.checkpoint, "config.json").read_text())
+    transforms = ("grouped_gemm_experts",) if config.get("num_experts") else ("fuse_qkv", "fuse_gate_up")
+    model, _ = from_pretrained(args.checkpoint, dtype=torch.float32, transforms=transforms,
+                               parallelize=_parallelize(args.layout))
+    workdir = Path(args.workdir)
+    source = HFWeightSource(model)
+    sync = TrainerWeightSync(source, HTTPEngineClient(args.engine), timeout_s=30, delta=args.delta, verify=True,
+                             bucket_bytes=1 << 15)
+    for update in range(1, args.updates + 1):
+        if update > 1:
+            with torch.no_grad():
+                for name, param in model.named_parameters():
+                    if CHANGED in name:
+                        local_tensor(param).add_(0.5)
+            if rank == args.die_rank:
+                os._exit(3)
+        try:
+            stats = sync.send_weights()
+            result = {"bytes_sent": stats.bytes_sent, "pieces_unchanged": stats.pieces_unchanged,
+                      "held_bytes": source.held_bytes, "seconds": stats.seconds}
+        except Exception as error:
+            result = {"error": type(error).__name__, "reason": str(error), "key": getattr(error, "key", None)}
+        Path(workdir, f"rank{rank}-update{update}.json").write_text(json.dumps(result))
+        if "error" in result:
+            return
+        save_hf_checkpoint(model, workdir / f"update{update}")
+        if rank == 0:
+            Path(workdir, f"saved{update}").touch()
+        _wait_for(workdir / f"continue{update}")
+    sync.shutdown()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
