@@ -180,14 +180,11 @@ def effective_weights(llm_or_model) -> dict[str, torch.Tensor]:
     return weights
 
 
-def worker_effective_weights(worker) -> dict[str, list]:
-    """:func:`effective_weights` of one worker, for ``llm.collective_rpc`` (multiprocess engines).
-
-    RPC results are serialized by vLLM's message encoder; tensors go as nested lists, read back
-    with ``torch.tensor(value, dtype=torch.float32)``.
-    """
-    weights = effective_weights(worker.model_runner.model)
-    return {name: value.tolist() for name, value in weights.items()}
+def worker_effective_weights(worker) -> dict[str, torch.Tensor]:
+    """:func:`effective_weights` of one worker: ``llm.collective_rpc(worker_effective_weights)``
+    gives each tensor-parallel worker's (with the in-process engine core of :data:`ENGINE_ENV`,
+    the results come back as tensors)."""
+    return effective_weights(worker.model_runner.model)
 
 
 @dataclass(frozen=True)
