@@ -23,17 +23,15 @@ from pathlib import Path
 
 import pytest
 
-from hp_dcp_hf.errors import SyncError
+from hp_dcp_hf.tools.launch import free_port
 from tests.support.engine import (
     differing,
-    engine_model,
     fresh_engine_snapshot,
     make_engine_checkpoint,
+    shutdown_engine,
     snapshot,
     start_engine,
-    shutdown_engine,
 )
-from tests.support.launch_free_port import free_port
 from tests.support.rl_server import RLServer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -98,25 +96,24 @@ def _train(engine, tmp_path: Path, layout: str, world: int, *, delta: bool = Fal
                "--master-port", str(free_port()), "-m", "tests.support.sync_trainer",
                "--checkpoint", str(engine["trained"]), "--engine", engine["server"].url, "--workdir", str(workdir),
                "--layout", layout] + (["--delta"] if delta else []) + ["--die-rank", str(die_rank)]
-    log = open(tmp_path / "trainer.log", "w")
-    proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     figures = []
-    try:
-        for update in (1, 2):
-            if not _wait(workdir / f"saved{update}", proc):
-                break
-            ranks = [json.loads((workdir / f"rank{r}-update{update}.json").read_text()) for r in range(world)]
-            received = _transfer_engine(engine["llm"]).receiver.stats
-            state, oracle = snapshot(engine["llm"]), _oracle(engine, update, workdir / f"update{update}")
-            assert differing(state.weights, oracle.weights) == [], (layout, update)
-            assert state.generations == oracle.generations
-            figures.append((ranks, received))
-            (workdir / f"continue{update}").touch()
-        proc.wait(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        log.close()
+    with open(tmp_path / "trainer.log", "w") as log:
+        proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            for update in (1, 2):
+                if not _wait(workdir / f"saved{update}", proc):
+                    break
+                ranks = [json.loads((workdir / f"rank{r}-update{update}.json").read_text()) for r in range(world)]
+                received = _transfer_engine(engine["llm"]).receiver.stats
+                state, oracle = snapshot(engine["llm"]), _oracle(engine, update, workdir / f"update{update}")
+                assert differing(state.weights, oracle.weights) == [], (layout, update)
+                assert state.generations == oracle.generations
+                figures.append((ranks, received))
+                (workdir / f"continue{update}").touch()
+            proc.wait(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
     return figures, workdir, (tmp_path / "trainer.log").read_text()
 
 

@@ -1,6 +1,8 @@
 """The worker side of the ``hp_dcp_hf`` backend: a vLLM ``WeightTransferEngine`` that receives the
 checkpoint-tensor boxes its worker consumes from every trainer rank and loads them through vLLM's
-own ``load_weights``, inside vLLM's layerwise reload.
+own ``load_weights``, inside vLLM's layerwise reload (:mod:`~hp_dcp_hf.integrations.vllm.reload`, which
+also re-runs what that reload skips on CPU). The engine's prefix cache must be reset after an update
+(``LLM.reset_prefix_cache()``, ``POST /reset_prefix_cache``): it lives in the scheduler, not here.
 
 The transfer completes before anything is loaded (:class:`~hp_dcp_hf.sync.receiver.WeightReceiver`):
 a trainer rank that fails mid-update leaves the engine serving its previous weights.
@@ -21,6 +23,7 @@ from vllm.logger import init_logger
 
 from hp_dcp_hf.errors import SyncError
 from hp_dcp_hf.geometry.box import Box
+from hp_dcp_hf.integrations.vllm.reload import begin_update, finish_update
 from hp_dcp_hf.sync.receiver import WeightReceiver
 from hp_dcp_hf.sync.source import TensorMeta
 from hp_dcp_hf.sync.wire import dtype_from_name
@@ -92,9 +95,7 @@ class HFSyncEngine(WeightTransferEngine[HFSyncInitInfo, HFSyncUpdateInfo]):
         if self.receiver is None:
             raise SyncError("the hp_dcp_hf weight transfer is not initialized: call init_weight_transfer_engine")
         tensors = self.receiver.receive(update_info.update)
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
-        initialize_layerwise_reload(self.model)
+        begin_update(self.model)
         self._loaded = True
         self.model.load_weights(iter(tensors.items()))
         stats = self.receiver.stats
@@ -104,9 +105,7 @@ class HFSyncEngine(WeightTransferEngine[HFSyncInitInfo, HFSyncUpdateInfo]):
     def finish_weight_update(self) -> None:
         if not self._loaded:
             return
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
-        finalize_layerwise_reload(self.model, self.model_config)
+        finish_update(self.model, self.model_config)
         self._loaded = False
 
     def shutdown(self) -> None:
