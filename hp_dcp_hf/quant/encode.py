@@ -202,20 +202,9 @@ class Fp8Layout:
         even after a ``failure`` (then this rank's parts are zeros and the failure is returned, for the
         writer to raise once every rank knows). Also the number of blocks reduced."""
         scales = self.scales
-        amax = BlockAmax(self, {})
         out: list[BoxWrite] = []
-        try:
-            boxes: dict[str, list[Box]] = {}
-            for write in writes:
-                if write.tensor.key in self.shapes:
-                    boxes.setdefault(write.tensor.key, []).append(write.box)
-            amax = BlockAmax(self, boxes)
-            for write in writes:
-                if write.tensor.key in self.shapes:
-                    amax.add(write.tensor.key, write.box, write.data, through)
-        except Exception as e:  # noqa: BLE001 - raised by the writer once the other ranks know
-            failure = failure or e
-        amax.agree()
+        amax, failure = self.agreed_amax(
+            [(w.tensor.key, w.box, w.data) for w in writes if w.tensor.key in self.shapes], through, failure)
         if failure is not None:
             return [], failure, amax.reduced
         for write in writes:
@@ -229,6 +218,25 @@ class Fp8Layout:
             else:
                 out.append(write)
         return out, None, amax.reduced
+
+    def agreed_amax(self, parts: Sequence[tuple[str, Box, torch.Tensor]], through: torch.dtype | None,
+                    failure: BaseException | None = None) -> tuple[BlockAmax, BaseException | None]:
+        """The amax of every scale block this rank's ``parts`` (quantized key, box of it, its values)
+        touch, the blocks other ranks hold parts of completed by :meth:`BlockAmax.agree`: a
+        collective every rank calls, after a ``failure`` too (or one here, returned with it: then
+        this rank's parts count as zeros, for the caller to raise once every rank met)."""
+        amax = BlockAmax(self, {})
+        try:
+            boxes: dict[str, list[Box]] = {}
+            for key, box, _ in parts:
+                boxes.setdefault(key, []).append(box)
+            amax = BlockAmax(self, boxes)
+            for key, box, values in parts:
+                amax.add(key, box, values, through)
+        except Exception as e:  # noqa: BLE001 - raised by the caller once the other ranks know
+            failure = failure or e
+        amax.agree()
+        return amax, failure
 
     def grid(self, key: str) -> tuple[int, ...]:
         """The ceil grid of ``key``'s scales (leading dims one to one)."""
