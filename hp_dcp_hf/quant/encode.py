@@ -105,14 +105,10 @@ def fp8_config(quantize: Quantize) -> Any:
     else:
         raise ArgumentError(f"quantize must be 'fp8', a quantization_config dict, a FineGrainedFP8Config or a CeilGrids, "
                             f"got {type(quantize).__name__}")
-    unsupported = {
-        "activation_scheme": (config.activation_scheme, "dynamic"),
-        "scale_fmt": (config.scale_fmt, "float"),
-        "expert_dtype": (config.expert_dtype, "fp8"),
-        "dequantize": (config.dequantize, False),
-        "modules_to_convert": (config.modules_to_convert, None),
-    }
-    for name, (value, supported) in unsupported.items():
+    writable = {"activation_scheme": "dynamic", "scale_fmt": "float", "expert_dtype": "fp8", "dequantize": False,
+                "modules_to_convert": None}
+    for name, supported in writable.items():
+        value = getattr(config, name, supported)  # a field an older transformers lacks (5.19: expert_dtype) is its default
         if value != supported:
             raise ArgumentError(f"quantize=: {name}={value!r} is not written by this save (only {supported!r})")
     if block_size(config.weight_block_size) is None:
