@@ -28,7 +28,7 @@ from transformers.core_model_loading import WeightTransform
 from hp_dcp_hf.errors import ArgumentError, SyncError
 from hp_dcp_hf.geometry.box import Box
 from hp_dcp_hf.mapping.blocks import LocalView
-from hp_dcp_hf.quant.encode import Fp8Box, Fp8Layout, Quantize
+from hp_dcp_hf.quant.encode import Fp8Layout, Quantize, quantize_box
 from hp_dcp_hf.save.planner import HFSavePlanner
 
 
@@ -116,8 +116,7 @@ class HFWeightSource:
             raise SyncError(f"computing the FP8 scales failed: {type(failure).__name__}: {failure}") from failure
         for index, held, values in weights:
             scale, _ = amax.scales(held.name, layout.scale_box(held.box))
-            whole = tuple(slice(0, n) for n in held.box.sizes)
-            self._quantized[index] = Fp8Box(values, held.box, layout.block, scale, self.dtype)[whole]
+            self._quantized[index] = quantize_box(values, held.box, layout.block, scale, self.dtype)
         for index, (held, _) in enumerate(self._slices):
             if held.name in scales:
                 self._quantized[index] = amax.scales(scales[held.name], held.box)[1].contiguous()
@@ -140,8 +139,8 @@ class HFWeightSource:
 
     def read(self, index: int, box: Box | None = None) -> torch.Tensor:
         """The current values of slice ``index`` (or of ``box``, a part of it), in the wire dtype,
-        as a tensor shaped like the box. Reads the live parameters: call it after the step (and,
-        quantized, after that update's :meth:`snapshot`)."""
+        as a tensor shaped like the box. Reads the live parameters: call it after the step. FP8
+        weights and their scales are the last :meth:`snapshot`'s (a host copy)."""
         held, view = self._slices[index]
         within = None if box is None or box == held.box else box.relative_to(held.box.offsets).slices()
         if held.name in self._stored:
