@@ -18,7 +18,6 @@ from __future__ import annotations
 import copy
 import json
 import math
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -48,8 +47,10 @@ from tests.support.fp8 import (
     BLOCK16,
     FP8,
     MIXED,
+    assert_fp8_of,
     assert_is_transformers_own,
     bits,
+    fp8quantize,
     llama,
     tensors,
     transformers_fp8_model,
@@ -61,37 +62,6 @@ DIVISIBLE = {"hidden_size": 64, "intermediate_size": 96, "head_dim": 16, "num_at
              "num_key_value_heads": 2}
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
-
-
-def fp8quantize(tensor: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """transformers' ``Fp8Quantize`` of ``tensor`` zero-padded to whole blocks, the weight cropped back."""
-    from transformers.integrations.finegrained_fp8 import Fp8Quantize
-    from transformers.utils.quantization_config import FineGrainedFP8Config
-
-    rows, cols = (-(-n // b) * b for n, b in zip(tensor.shape[-2:], block))
-    padded = torch.zeros(*tensor.shape[:-2], rows, cols, dtype=tensor.dtype)
-    padded[..., : tensor.shape[-2], : tensor.shape[-1]] = tensor
-    op = Fp8Quantize(SimpleNamespace(quantization_config=FineGrainedFP8Config(weight_block_size=block)))
-    out = op.convert({"w.weight": padded})
-    return out["w.weight"][..., : tensor.shape[-2], : tensor.shape[-1]].contiguous(), out["w.weight_scale_inv"]
-
-
-def assert_fp8_of(saved: Path, reference: Path, block: tuple[int, int], ceil_grids: bool) -> set[str]:
-    """``saved`` is the checkpoint at ``reference`` (save_pretrained's, unquantized) with every
-    projection weight that is whole blocks (every one, ``ceil_grids``) replaced by ``Fp8Quantize``'s
-    FP8 tensor and scales; the quantized keys."""
-    ours, theirs = tensors(saved), tensors(reference)
-    quantized = {k for k, v in ours.items() if v.dtype == FP8}
-    assert quantized == {k for k, v in theirs.items() if is_projection(k, v) and (ceil_grids or whole_blocks(v.shape, block))}
-    expected = {}
-    for key, value in theirs.items():
-        if key in quantized:
-            expected[key], expected[key.removesuffix("weight") + "weight_scale_inv"] = fp8quantize(value, block)
-        else:
-            expected[key] = value
-    assert sorted(ours) == sorted(expected)
-    assert not [k for k, v in expected.items() if ours[k].dtype != v.dtype or not torch.equal(bits(ours[k]), bits(v))]
-    return quantized
 
 
 def assembled_fp8_model(model, quantization_config):

@@ -105,14 +105,10 @@ def fp8_config(quantize: Quantize) -> Any:
     else:
         raise ArgumentError(f"quantize must be 'fp8', a quantization_config dict, a FineGrainedFP8Config or a CeilGrids, "
                             f"got {type(quantize).__name__}")
-    unsupported = {
-        "activation_scheme": (config.activation_scheme, "dynamic"),
-        "scale_fmt": (config.scale_fmt, "float"),
-        "expert_dtype": (config.expert_dtype, "fp8"),
-        "dequantize": (config.dequantize, False),
-        "modules_to_convert": (config.modules_to_convert, None),
-    }
-    for name, (value, supported) in unsupported.items():
+    writable = {"activation_scheme": "dynamic", "scale_fmt": "float", "expert_dtype": "fp8", "dequantize": False,
+                "modules_to_convert": None}
+    for name, supported in writable.items():
+        value = getattr(config, name, supported)  # a field an older transformers lacks (5.19: expert_dtype) is its default
         if value != supported:
             raise ArgumentError(f"quantize=: {name}={value!r} is not written by this save (only {supported!r})")
     if block_size(config.weight_block_size) is None:
@@ -202,20 +198,9 @@ class Fp8Layout:
         even after a ``failure`` (then this rank's parts are zeros and the failure is returned, for the
         writer to raise once every rank knows). Also the number of blocks reduced."""
         scales = self.scales
-        amax = BlockAmax(self, {})
         out: list[BoxWrite] = []
-        try:
-            boxes: dict[str, list[Box]] = {}
-            for write in writes:
-                if write.tensor.key in self.shapes:
-                    boxes.setdefault(write.tensor.key, []).append(write.box)
-            amax = BlockAmax(self, boxes)
-            for write in writes:
-                if write.tensor.key in self.shapes:
-                    amax.add(write.tensor.key, write.box, write.data, through)
-        except Exception as e:  # noqa: BLE001 - raised by the writer once the other ranks know
-            failure = failure or e
-        amax.agree()
+        amax, failure = self.agreed_amax(
+            [(w.tensor.key, w.box, w.data) for w in writes if w.tensor.key in self.shapes], through, failure)
         if failure is not None:
             return [], failure, amax.reduced
         for write in writes:
@@ -229,6 +214,25 @@ class Fp8Layout:
             else:
                 out.append(write)
         return out, None, amax.reduced
+
+    def agreed_amax(self, parts: Sequence[tuple[str, Box, torch.Tensor]], through: torch.dtype | None,
+                    failure: BaseException | None = None) -> tuple[BlockAmax, BaseException | None]:
+        """The amax of every scale block this rank's ``parts`` (quantized key, box of it, its values)
+        touch, the blocks other ranks hold parts of completed by :meth:`BlockAmax.agree`: a
+        collective every rank calls, after a ``failure`` too (or one here, returned with it: then
+        this rank's parts count as zeros, for the caller to raise once every rank met)."""
+        amax = BlockAmax(self, {})
+        try:
+            boxes: dict[str, list[Box]] = {}
+            for key, box, _ in parts:
+                boxes.setdefault(key, []).append(box)
+            amax = BlockAmax(self, boxes)
+            for key, box, values in parts:
+                amax.add(key, box, values, through)
+        except Exception as e:  # noqa: BLE001 - raised by the caller once the other ranks know
+            failure = failure or e
+        amax.agree()
+        return amax, failure
 
     def grid(self, key: str) -> tuple[int, ...]:
         """The ceil grid of ``key``'s scales (leading dims one to one)."""
