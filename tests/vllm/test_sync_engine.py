@@ -32,6 +32,7 @@ from tests.support.engine import (
     snapshot,
     start_engine,
 )
+from tests.support.models import read_checkpoint
 from tests.support.rl_server import RLServer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -63,16 +64,12 @@ def _transfer_engine(llm):
 def _oracle(engine, update: int, files: Path):
     """The fresh engine's snapshot of the trainer's files of ``update``, computed once per model:
     every layout's trainer must have saved the same bytes (checked here)."""
+    tensors = read_checkpoint(files)
     cached = engine["oracles"].get(update)
     if cached is None:
-        cached = engine["oracles"][update] = (_file_bytes(files), fresh_engine_snapshot(
-            files, engine["root"] / f"oracle{update}"))
-    assert _file_bytes(files) == cached[0], "the trainers of two layouts saved different weights"
+        cached = engine["oracles"][update] = (tensors, fresh_engine_snapshot(files, engine["root"] / f"oracle{update}"))
+    assert differing(tensors, cached[0]) == [], "the trainers of two layouts saved different weights"
     return cached[1]
-
-
-def _file_bytes(directory: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(directory.glob("*.safetensors"))}
 
 
 def _wait(path: Path, proc: subprocess.Popen, timeout_s: float = 240.0) -> bool:
