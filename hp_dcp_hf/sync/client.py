@@ -1,8 +1,10 @@
 """HTTPEngineClient: a ``vllm serve``'s weight-sync routes, from a trainer without vLLM installed.
 
 The same four calls as vLLM's ``HTTPVLLMWeightSyncClient`` (``/init_weight_transfer_engine``,
-``/start_weight_update``, ``/update_weights``, ``/finish_weight_update``), over the standard
-library, so a trainer environment needs neither vLLM nor ``requests``.
+``/start_weight_update``, ``/update_weights``, ``/finish_weight_update``) and ``/reset_prefix_cache``
+(KV cached from the old weights must not serve new requests), over the standard library, so a
+trainer environment needs neither vLLM nor ``requests``. A ``vllm serve`` has these routes with
+``VLLM_SERVER_DEV_MODE=1``.
 """
 
 from __future__ import annotations
@@ -45,3 +47,6 @@ class HTTPEngineClient:
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self._post("finish_weight_update", {"weight_version": weight_version} if weight_version else None)
+
+    def reset_prefix_cache(self) -> None:
+        self._post("reset_prefix_cache")

@@ -71,8 +71,10 @@ class TrainerWeightSync:
         self.sender.accept()
 
     def send_weights(self, weight_version: str | None = None) -> UpdateStats:
-        """One update, on every rank: rank 0 starts it, asks the engine to receive it and finishes
-        it, while every rank sends its bytes. Returns this rank's figures."""
+        """One update, on every rank: rank 0 starts it, asks the engine to receive it, finishes it
+        and resets the engine's prefix cache (when the client has ``reset_prefix_cache``, as
+        :class:`~hp_dcp_hf.sync.client.HTTPEngineClient` and vLLM's ``LLM`` do), while every rank
+        sends its bytes. Returns this rank's figures."""
         self.update += 1
         start = time.perf_counter()
         control: list[BaseException] = []
@@ -93,6 +95,9 @@ class TrainerWeightSync:
         if error is None and self.is_sender:
             try:
                 self.client.finish_weight_update(weight_version)
+                reset = getattr(self.client, "reset_prefix_cache", None)
+                if reset is not None:  # KV the old weights computed must not answer new requests
+                    reset()
             except Exception as exc:
                 error = _engine_error("finish_weight_update", exc)
         _raise_on_all(error)

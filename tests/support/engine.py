@@ -44,7 +44,9 @@ __all__ = [
     "shutdown_engine",
     "snapshot",
     "start_engine",
+    "worker_call",
     "worker_effective_weights",
+    "worker_transfer_stats",
 ]
 
 #: An in-process engine (no engine-core process: its model is reachable from the test) with a
@@ -86,6 +88,7 @@ def start_engine(
     checkpoint: str | os.PathLike[str],
     *,
     weight_transfer_config: Mapping[str, Any] | None = None,
+    tensor_parallel_size: int = 1,
     **llm_kwargs: Any,
 ):
     """An in-process ``vllm.LLM`` on ``checkpoint``: float32 (bf16 dies with SIGILL on this
@@ -94,10 +97,17 @@ def start_engine(
     the context without a whole block for the prefix cache to keep).
 
     ``weight_transfer_config`` (e.g. ``{"backend": "hp_dcp_hf"}``) selects the weight-transfer
-    backend the RL API (``init_weight_transfer_engine`` ...) drives.
+    backend the RL API (``init_weight_transfer_engine`` ...) drives. ``tensor_parallel_size`` > 1
+    runs the workers as processes (vLLM's ``mp`` executor), each bound to one core; the engine core
+    stays in this process, so :func:`worker_call` reaches every worker.
     """
     os.environ.update(ENGINE_ENV)
     from vllm import LLM
+
+    if tensor_parallel_size > 1:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(r % (os.cpu_count() or 1))
+                                                           for r in range(tensor_parallel_size))
+        llm_kwargs.update(tensor_parallel_size=tensor_parallel_size, distributed_executor_backend="mp")
 
     if weight_transfer_config is not None:
         llm_kwargs["weight_transfer_config"] = dict(weight_transfer_config)
@@ -195,9 +205,19 @@ class EngineSnapshot:
     generations: list[list[int]]
 
 
+def worker_call(llm, fn, *args: Any) -> list[Any]:
+    """``fn(worker, *args)`` on every worker of ``llm``, in worker order (``fn`` module-level)."""
+    return llm.llm_engine.model_executor.collective_rpc(fn, args=args)
+
+
 def snapshot(llm) -> EngineSnapshot:
-    """The :class:`EngineSnapshot` of a running in-process engine."""
-    return EngineSnapshot(effective_weights(llm), generate(llm))
+    """The :class:`EngineSnapshot` of a running engine; under tensor parallelism every worker's
+    weights, named ``worker<i>/<parameter>``."""
+    if llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size == 1:
+        return EngineSnapshot(effective_weights(llm), generate(llm))
+    weights = {f"worker{i}/{name}": value for i, part in enumerate(worker_call(llm, worker_effective_weights))
+               for name, value in part.items()}
+    return EngineSnapshot(weights, generate(llm))
 
 
 def differing(actual: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor]) -> list[str]:
@@ -212,7 +232,8 @@ def differing(actual: Mapping[str, torch.Tensor], expected: Mapping[str, torch.T
     return [n for n in names if n not in actual or n not in expected or not same(actual[n], expected[n])]
 
 
-def fresh_engine_snapshot(checkpoint: str | os.PathLike[str], workdir: str | os.PathLike[str]) -> EngineSnapshot:
+def fresh_engine_snapshot(checkpoint: str | os.PathLike[str], workdir: str | os.PathLike[str],
+                          tensor_parallel_size: int = 1) -> EngineSnapshot:
     """The :class:`EngineSnapshot` of an engine loaded from ``checkpoint`` in a separate process.
 
     The reference of an update: what the updated engine must equal. A process of its own, so it
@@ -224,7 +245,7 @@ def fresh_engine_snapshot(checkpoint: str | os.PathLike[str], workdir: str | os.
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (str(_REPO_ROOT), os.environ.get("PYTHONPATH")))))
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.support.engine", str(checkpoint), str(out)],
+        [sys.executable, "-m", "tests.support.engine", str(checkpoint), str(out), str(tensor_parallel_size)],
         cwd=_REPO_ROOT, env=env, capture_output=True, text=True, timeout=300,
     )
     if proc.returncode != 0:
@@ -233,10 +254,10 @@ def fresh_engine_snapshot(checkpoint: str | os.PathLike[str], workdir: str | os.
     return EngineSnapshot(load_file(out / "weights.safetensors"), generations)
 
 
-def _write_snapshot(checkpoint: str, out: str) -> None:
+def _write_snapshot(checkpoint: str, out: str, tensor_parallel_size: str = "1") -> None:
     from safetensors.torch import save_file
 
-    llm = start_engine(checkpoint)
+    llm = start_engine(checkpoint, tensor_parallel_size=int(tensor_parallel_size))
     state = snapshot(llm)
     # Tied names are separate copies already (effective_weights clones), which save_file requires.
     save_file(state.weights, str(Path(out) / "weights.safetensors"))
@@ -244,4 +265,11 @@ def _write_snapshot(checkpoint: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    _write_snapshot(*sys.argv[1:3])
+    _write_snapshot(*sys.argv[1:4])
+
+
+def worker_transfer_stats(worker) -> dict[str, int]:
+    """The last update's receive figures of a worker's ``hp_dcp_hf`` transfer engine
+    (:func:`worker_call`): bytes received, and bytes the worker consumes."""
+    receiver = worker.weight_transfer_engine.receiver
+    return {"bytes_received": receiver.stats.bytes_received, "needed_bytes": receiver.needed_bytes}

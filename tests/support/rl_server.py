@@ -1,8 +1,8 @@
 """vLLM's RL control plane over HTTP for an in-process ``LLM``: the routes of vLLM's own API server
-(``/init_weight_transfer_engine``, ``/start_weight_update``, ``/update_weights``,
+(in dev mode: ``/init_weight_transfer_engine``, ``/start_weight_update``, ``/update_weights``,
 ``/finish_weight_update``), so that trainer ranks in other processes drive the engine with vLLM's
-own ``HTTPVLLMWeightSyncClient``, as they would a ``vllm serve``. One request at a time (the engine
-is not thread-safe); the prefix cache is reset after each finished update, as the serving path does."""
+own ``HTTPVLLMWeightSyncClient``, as they would a ``vllm serve``, plus ``/reset_prefix_cache``. One
+request at a time (the engine is not thread-safe)."""
 
 from __future__ import annotations
 
@@ -56,6 +56,7 @@ class RLServer:
             self.llm.update_weights({"update_info": body["update_info"]})
         elif route == "finish_weight_update":
             self.llm.finish_weight_update()
+        elif route == "reset_prefix_cache":
             self.llm.reset_prefix_cache()
         else:
             raise ValueError(f"no route {route!r}")

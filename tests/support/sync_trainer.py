@@ -59,7 +59,8 @@ def main() -> None:
     from hp_dcp_hf.sync.trainer import TrainerWeightSync
 
     config = json.loads(Path(args.checkpoint, "config.json").read_text())
-    transforms = ("grouped_gemm_experts",) if config.get("num_experts") else ("fuse_qkv", "fuse_gate_up")
+    moe = config.get("num_experts") or config.get("num_local_experts")  # transformers 5.19 writes the latter
+    transforms = ("grouped_gemm_experts",) if moe else ("fuse_qkv", "fuse_gate_up")
     model, _ = from_pretrained(args.checkpoint, dtype=torch.float32, transforms=transforms,
                                parallelize=_parallelize(args.layout))
     workdir = Path(args.workdir)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from hp_dcp_hf.errors import SyncError
 from hp_dcp_hf.tools.launch import free_port
 from tests.support.engine import (
     differing,
@@ -31,6 +32,8 @@ from tests.support.engine import (
     shutdown_engine,
     snapshot,
     start_engine,
+    worker_call,
+    worker_transfer_stats,
 )
 from tests.support.models import read_checkpoint
 from tests.support.rl_server import RLServer
@@ -40,25 +43,29 @@ TRAINER_PYTHON = os.environ.get("HP_DCP_HF_TRAINER_PYTHON", str(REPO / ".venv" /
 CHANGED = "self_attn"  # layer 0's q, k, v, o projections: what the trainer's step changes
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3_moe"])
+@pytest.fixture(scope="module")
 def engine(request, tmp_path_factory):
-    """One engine per model type, started on checkpoint A; the trainers load checkpoint B."""
+    """One engine per (model type, tensor_parallel_size) (tests select it by indirect
+    parametrization; pytest keeps one alive at a time), started on checkpoint A; the trainers
+    load checkpoint B."""
     from hp_dcp_hf.integrations.vllm import plugin
 
+    model_type, tp = request.param
     plugin.register()
-    root = tmp_path_factory.mktemp(request.param)
-    initial = make_engine_checkpoint(request.param, root / "A", seed=0)
-    trained = make_engine_checkpoint(request.param, root / "B", seed=1)
-    llm = start_engine(initial, weight_transfer_config={"backend": "hp_dcp_hf"})
+    root = tmp_path_factory.mktemp(f"{model_type}-tp{tp}")
+    initial = make_engine_checkpoint(model_type, root / "A", seed=0)
+    trained = make_engine_checkpoint(model_type, root / "B", seed=1)
+    llm = start_engine(initial, weight_transfer_config={"backend": "hp_dcp_hf"}, tensor_parallel_size=tp)
     server = RLServer(llm)
-    yield {"llm": llm, "server": server, "trained": trained, "root": root, "oracles": {}}
+    yield {"llm": llm, "server": server, "trained": trained, "root": root, "oracles": {}, "tp": tp,
+           "model_type": model_type}
     server.close()
     shutdown_engine(llm)
 
 
-def _transfer_engine(llm):
-    worker = llm.llm_engine.model_executor.driver_worker.worker
-    return worker.weight_transfer_engine
+def _received(engine) -> list[dict[str, int]]:
+    """Each engine worker's figures of the last update."""
+    return worker_call(engine["llm"], worker_transfer_stats)
 
 
 def _oracle(engine, update: int, files: Path):
@@ -67,7 +74,8 @@ def _oracle(engine, update: int, files: Path):
     tensors = read_checkpoint(files)
     cached = engine["oracles"].get(update)
     if cached is None:
-        cached = engine["oracles"][update] = (tensors, fresh_engine_snapshot(files, engine["root"] / f"oracle{update}"))
+        cached = engine["oracles"][update] = (tensors, fresh_engine_snapshot(
+            files, engine["root"] / f"oracle{update}", tensor_parallel_size=engine["tp"]))
     assert differing(tensors, cached[0]) == [], "the trainers of two layouts saved different weights"
     return cached[1]
 
@@ -101,7 +109,7 @@ def _train(engine, tmp_path: Path, layout: str, world: int, *, delta: bool = Fal
                 if not _wait(workdir / f"saved{update}", proc):
                     break
                 ranks = [json.loads((workdir / f"rank{r}-update{update}.json").read_text()) for r in range(world)]
-                received = _transfer_engine(engine["llm"]).receiver.stats
+                received = _received(engine)
                 state, oracle = snapshot(engine["llm"]), _oracle(engine, update, workdir / f"update{update}")
                 assert differing(state.weights, oracle.weights) == [], (layout, update)
                 assert state.generations == oracle.generations
@@ -114,18 +122,55 @@ def _train(engine, tmp_path: Path, layout: str, world: int, *, delta: bool = Fal
     return figures, workdir, (tmp_path / "trainer.log").read_text()
 
 
-LAYOUTS = {"llama": [("tp", 2), ("fsdp", 2), ("fsdp_tp", 4)], "qwen3_moe": [("ep", 4)]}
+LLAMA, MOE, LLAMA_TP2 = ("llama", 1), ("qwen3_moe", 1), ("llama", 2)  # engines: (model type, TP)
+UPDATES = [  # (engine, the trainers' layout, trainer ranks)
+    (LLAMA, "tp", 2), (LLAMA, "fsdp", 2), (LLAMA, "fsdp_tp", 4),
+    (MOE, "ep", 4), (MOE, "fsdp", 2),
+    (LLAMA_TP2, "tp", 2), (LLAMA_TP2, "fsdp_tp", 4),
+]
 
 
-@pytest.mark.parametrize("case", range(3))
-def test_updates_equal_a_fresh_engine_on_the_saved_weights(engine, tmp_path, case):
-    layouts = LAYOUTS[engine["llm"].llm_engine.model_config.hf_config.model_type]
-    if case >= len(layouts):
-        pytest.skip("this model type has fewer layouts")  # the parametrization is shared by both types
-    layout, world = layouts[case]
+def _checkpoint_bytes(path: Path) -> int:
+    return sum(t.numel() * t.element_size() for t in read_checkpoint(path).values())
+
+
+@pytest.mark.parametrize("engine,layout,world", UPDATES, indirect=["engine"],
+                         ids=[f"{m}-engine-tp{tp}-{layout}{world}" for (m, tp), layout, world in UPDATES])
+def test_updates_equal_a_fresh_engine_on_the_saved_weights(engine, tmp_path, layout, world):
     figures, _, log = _train(engine, tmp_path, layout, world)
     assert len(figures) == 2, log[-4000:]
-    for ranks, received in figures:
-        assert sum(r["bytes_sent"] for r in ranks) == received.bytes_received  # counted on both sides
-        assert received.bytes_received == _transfer_engine(engine["llm"]).receiver.needed_bytes
-        assert [r["bytes_sent"] for r in ranks] == [r["held_bytes"] for r in ranks]  # TP 1: all it holds
+    whole = _checkpoint_bytes(engine["trained"])
+    for ranks, workers in figures:
+        received = sum(w["bytes_received"] for w in workers)
+        assert sum(r["bytes_sent"] for r in ranks) == received  # counted on both sides
+        assert [w["bytes_received"] for w in workers] == [w["needed_bytes"] for w in workers]
+        if engine["tp"] == 1:  # one worker consumes everything: each rank sends all it holds
+            assert [r["bytes_sent"] for r in ranks] == [r["held_bytes"] for r in ranks]
+            assert received == whole
+        else:  # each worker receives its slice only: matrices split, vectors (norms) on both
+            assert all(w["needed_bytes"] < whole for w in workers)
+            assert whole < received < whole * engine["tp"]
+
+
+@pytest.mark.parametrize("engine", [LLAMA, MOE], indirect=True, ids=["llama", "qwen3_moe"])
+def test_a_delta_update_sends_exactly_what_changed(engine, tmp_path):
+    figures, _, log = _train(engine, tmp_path, "fsdp", 2, delta=True)
+    assert len(figures) == 2, log[-4000:]
+    changed = sum(t.numel() * t.element_size() for name, t in read_checkpoint(engine["trained"]).items()
+                  if name.startswith("model.layers.0.") and CHANGED in name)
+    (first, first_workers), (second, second_workers) = figures
+    assert sum(w["bytes_received"] for w in first_workers) == _checkpoint_bytes(engine["trained"])
+    assert sum(r["bytes_sent"] for r in second) == sum(w["bytes_received"] for w in second_workers) == changed > 0
+    assert sum(r["pieces_unchanged"] for r in second) > 0
+
+
+@pytest.mark.parametrize("engine", [LLAMA], indirect=True, ids=["llama"])
+def test_a_trainer_rank_dying_leaves_the_engine_on_its_previous_weights(engine, tmp_path):
+    errors_before = len(engine["server"].errors)
+    figures, _, log = _train(engine, tmp_path, "tp", 2, die_rank=1)
+    assert len(figures) == 1, log[-4000:]  # the first update landed and was compared; the second died
+    error = engine["server"].errors[errors_before]
+    assert isinstance(error, SyncError) and "trainer rank 1" in str(error), error
+    state, previous = snapshot(engine["llm"]), engine["oracles"][1][1]
+    assert differing(state.weights, previous.weights) == []  # still serving update 1's weights, exactly
+    assert state.generations == previous.generations
