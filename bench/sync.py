@@ -58,18 +58,22 @@ class BenchServer(RLServer):
         self.initial_weights = effective_weights(llm)
         self.reference: tuple[str, dict[str, torch.Tensor], list[list[int]]] | None = None
         self.runs: dict[str, dict[str, Any]] = {}
+        self._run: dict[str, Any] = {}  # the run since the last reset
 
     def call(self, route: str, body: dict[str, Any]) -> None:
         if route == "reset":
-            self.runs[body["run"]] = {"reset_seconds": self._reload(self.initial, "hp_dcp_hf")}
+            self._run = self.runs[body["run"]] = {"reset_seconds": self._reload(self.initial, "hp_dcp_hf"),
+                                                  "route_seconds": {}}
         elif route == "reload":
             run = self.runs[body["run"]]
             run["reload_seconds"] = self._reload(Path(body["path"]), body["how"])
             run["bytes_read"] = sum(f.stat().st_size for f in Path(body["path"]).glob("*.safetensors"))
         elif route == "snapshot":
             self._snapshot(body["run"], body["contender"])
-        else:
+        else:  # the RL routes, timed: where an update's engine time goes
+            start = time.perf_counter()
             super().call(route, body)
+            self._run["route_seconds"][route] = time.perf_counter() - start
 
     def _reload(self, path: Path, how: str) -> float:
         """Load the checkpoint at ``path`` into the running engine; its wall seconds."""
@@ -192,7 +196,11 @@ def render(doc: dict[str, Any]) -> str:
                 parts.append(f"save {max(x['save_seconds'] for x in ranks):.3f} s, engine reload "
                              f"{e.get('reload_seconds', 0):.3f} s")
             if "receive_seconds" in e:
-                parts.append(f"engine receive {e['receive_seconds']:.3f} s")
+                routes = e["route_seconds"]
+                parts.append(f"engine: receive {e['receive_seconds']:.3f} s of update_weights "
+                             f"{routes.get('update_weights', 0):.3f} s (the rest: load_weights), "
+                             f"finish_weight_update {routes.get('finish_weight_update', 0):.3f} s, "
+                             f"start_weight_update {routes.get('start_weight_update', 0):.3f} s")
             parts.append("moved " + ", ".join(human(b) for b in run["moved_per_rank"]))
             parts.append("RSS growth " + ", ".join(human(b) for b in run["rss_growth_per_rank"]))
             parts.append(f"{e['changed_from_initial']} of {e['tensors']} engine tensors changed from checkpoint A; "
