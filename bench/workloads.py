@@ -219,10 +219,15 @@ def write_file(path: Path, layout: Mapping[str, torch.Tensor], keys: list[str], 
     return 8 + len(raw) + offset
 
 
-def write_checkpoint(config, directory: Path, *, max_shard_bytes: int, seed: int = 0) -> dict[str, Any]:
-    """Write config.json, every shard and the index of ``config``'s checkpoint into ``directory``."""
+def write_checkpoint(config, directory: Path, *, max_shard_bytes: int, seed: int = 0,
+                     dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
+    """Write config.json, every shard and the index of ``config``'s checkpoint into ``directory``,
+    its tensors in ``dtype`` (a vLLM CPU engine runs float32 only, on this machine)."""
     directory.mkdir(parents=True, exist_ok=True)
     layout = checkpoint_layout(config)
+    if dtype != torch.bfloat16:
+        layout = {key: meta.to(dtype) for key, meta in layout.items()}
+        config.dtype = dtype
     files = split_files(layout, max_shard_bytes)
     for name, keys in files.items():
         write_file(directory / name, layout, keys, seed)
@@ -287,17 +292,23 @@ def verify_layout(config) -> None:
 # -- cache ---------------------------------------------------------------------------------------
 
 
-def ensure_workload(kind: str, size: int, cache_dir: Path, *, seed: int = 0, log=print) -> Workload:
-    """The checkpoint of ``kind`` x ``size`` under ``cache_dir``, generated (and verified) if missing."""
-    config = make_config(kind, size)
-    path = Path(cache_dir) / f"{kind}-{size_tag(size)}"
-    wanted = {"version": GENERATOR_VERSION, "kind": kind, "size": size, "seed": seed,
+def ensure_workload(kind: str, size: int, cache_dir: Path, *, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
+                    log=print) -> Workload:
+    """The checkpoint of ``kind`` x ``size`` under ``cache_dir``, generated (and verified) if missing.
+
+    ``size`` counts bytes of ``dtype`` weights; another seed or dtype than the default is a
+    directory of its own (the weight sync benchmark's engine starts on one, its trainers load another).
+    """
+    config = make_config(kind, size * torch.bfloat16.itemsize // dtype.itemsize)
+    variant = ("" if dtype == torch.bfloat16 else f"-{_ST_DTYPES[dtype].lower()}") + (f"-seed{seed}" if seed else "")
+    path = Path(cache_dir) / f"{kind}-{size_tag(size)}{variant}"
+    wanted = {"version": GENERATOR_VERSION, "kind": kind, "size": size, "seed": seed, "dtype": str(dtype),
               "config": config.to_diff_dict() if hasattr(config, "to_diff_dict") else config.to_dict()}
     stamp = path / STAMP
     if stamp.exists():
         found = json.loads(stamp.read_text())
-        if {k: found.get(k) for k in ("version", "kind", "size", "seed")} == {k: wanted[k] for k in
-                                                                            ("version", "kind", "size", "seed")}:
+        if {k: found.get(k, str(torch.bfloat16)) if k == "dtype" else found.get(k) for k in _STAMPED} == {
+                k: wanted[k] for k in _STAMPED}:
             return Workload(**found["workload"], path=path)
     log(f"generating {kind} checkpoint of ~{size_tag(size)} in {path} (verifying the layout first)")
     verify_layout(config)
@@ -306,12 +317,15 @@ def ensure_workload(kind: str, size: int, cache_dir: Path, *, seed: int = 0, log
     tmp = path.with_name(path.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
-    written = write_checkpoint(config, tmp, max_shard_bytes=max(4 * 10**6, size // 4), seed=seed)
+    written = write_checkpoint(config, tmp, max_shard_bytes=max(4 * 10**6, size // 4), seed=seed, dtype=dtype)
     info = {"kind": kind, "size": size, "model_class": config.architectures[0],
             "num_layers": config.num_hidden_layers, **written}
     (tmp / STAMP).write_text(json.dumps({**wanted, "workload": info}, indent=2, default=str))
     os.replace(tmp, path)
     return Workload(**info, path=path)
+
+
+_STAMPED = ("version", "kind", "size", "seed", "dtype")
 
 
 def warm_page_cache(path: Path, block: int = 16 * 2**20) -> int:
