@@ -85,9 +85,12 @@ class HFWeightSource:
         self.model = model
         self.dtype = dtype
         planner = HFSavePlanner(model, weights_mapping=weights_mapping, hf_config=hf_config, quantize=quantize)
-        state_dict = dict(model.state_dict() if state_dict is None else state_dict)
-        planner.set_up_planner(state_dict, is_coordinator=False)
-        items, request = planner.plan_writes(state_dict)
+        # Planned without autograd: a DTensor's local shard is then the tensor itself, not a view made
+        # by an autograd Function, which a training step's in-place update would make unreadable.
+        with torch.no_grad():
+            state_dict = dict(model.state_dict() if state_dict is None else state_dict)
+            planner.set_up_planner(state_dict, is_coordinator=False)
+            items, request = planner.plan_writes(state_dict)
         self._layout: Fp8Layout | None = request.quantization
         self._stored = set() if self._layout is None else {*self._layout.shapes, *self._layout.scales}
         self._metadata = [TensorMeta(name, dtype_ if name in self._stored else self._wire_dtype(dtype_), tuple(shape))
