@@ -267,6 +267,8 @@ class HFSavePlanner(SavePlanner):
         pipeline_stage: this rank's model is one pipeline stage: checkpoint tensors it holds
             nothing of are other stages' to write. Either way the coordinator checks, over every
             rank's plan, that each checkpoint element is written exactly once.
+        lowest_replica_writes: a piece several ranks hold is planned on the lowest of them, not
+            on each in turn (a weight source gathering to rank 0: others plan only what it lacks).
 
     Tensors are planned in the model's dtypes (quantized ones in FP8, with their scales);
     :class:`~hp_dcp_hf.storage.HFStorageWriter` casts them on write when given a ``dtype``, and
@@ -274,8 +276,10 @@ class HFSavePlanner(SavePlanner):
     """
 
     def __init__(self, model: nn.Module, *, weights_mapping: Sequence[WeightTransform] | None = None,
-                 quantize: Quantize | None = None, pipeline_stage: bool = False, hf_config: Any = None) -> None:
+                 quantize: Quantize | None = None, pipeline_stage: bool = False, hf_config: Any = None,
+                 lowest_replica_writes: bool = False) -> None:
         self.model = model
+        self.lowest_replica_writes = lowest_replica_writes
         self.weights_mapping = weights_mapping
         self.hf_config = hf_config
         if hf_config is not None and (isinstance(model, PreTrainedModel) or weights_mapping is None):
@@ -350,7 +354,8 @@ class HFSavePlanner(SavePlanner):
         items: list[WriteItem] = []
         self._views.clear()
         self.bytes_planned = 0
-        replicas = ReplicaGroups.gather({target: state_dict[target] for target in fill})
+        replicas = ReplicaGroups.gather({target: state_dict[target] for target in fill},
+                                        lowest=self.lowest_replica_writes)
         layout = None
         if quantized is not None:
             plain = next((target for target in fill if is_checkpointable(state_dict[target])), None)

@@ -72,6 +72,10 @@ class HFWeightSource:
         state_dict: the model's tensors to send, as ``save_hf_checkpoint(state_dict=)`` takes them;
             default ``model.state_dict()``. They must be the live tensors (each update reads them):
             torchtitan's are its own parameters, whose ``state_dict()`` hands out gathered copies.
+        lowest_replica_holds: a piece several ranks hold is this source's slice on the lowest of
+            them (default: replicas take turns, as a save's writing does); then each rank's slices
+            are exactly the bytes no lower rank holds (what
+            :class:`~hp_dcp_hf.integrations.vllm.source.VLLMWeightSource` moves to rank 0).
 
     ``metadata()`` describes the whole checkpoint on every rank, ``slices()`` this rank's part;
     together the ranks' slices cover every checkpoint element exactly once (the save's own check).
@@ -79,12 +83,14 @@ class HFWeightSource:
 
     def __init__(self, model: nn.Module, *, dtype: torch.dtype | None = None, quantize: Quantize | None = None,
                  weights_mapping: Sequence[WeightTransform] | None = None, hf_config: Any = None,
-                 state_dict: Mapping[str, torch.Tensor] | None = None) -> None:
+                 state_dict: Mapping[str, torch.Tensor] | None = None, lowest_replica_holds: bool = False) -> None:
         if dtype is not None and not dtype.is_floating_point:
             raise ArgumentError(f"dtype={dtype}: the wire dtype of floating-point weights must be floating-point")
         self.model = model
         self.dtype = dtype
-        planner = HFSavePlanner(model, weights_mapping=weights_mapping, hf_config=hf_config, quantize=quantize)
+        self.lowest_replica_holds = lowest_replica_holds
+        planner = HFSavePlanner(model, weights_mapping=weights_mapping, hf_config=hf_config, quantize=quantize,
+                                lowest_replica_writes=lowest_replica_holds)
         # Planned without autograd: a DTensor's local shard is then the tensor itself, not a view made
         # by an autograd Function, which a training step's in-place update would make unreadable.
         with torch.no_grad():
