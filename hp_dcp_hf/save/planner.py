@@ -17,8 +17,9 @@ a :class:`MappingError` before any byte is written.
 
 Each byte is written by one rank: a piece held by several ranks (``Replicate`` dims, the parallel
 copies of a submesh, plain tensors in a process group) is written by one of its replicas, the
-``i``-th tensor's by replica ``i mod replicas``, so replicas share the writing. Plain local shards
-(``CheckpointableTensor``) are written shard by shard: a shard several ranks list, by one of them.
+``i``-th tensor's by replica ``i mod replicas``, so replicas share the writing (or each by its
+lowest rank: ``lowest_replica_writes``). Plain local shards (``CheckpointableTensor``) are written
+shard by shard: a shard several ranks list, by one of them.
 
 ``quantize="fp8"`` writes the block-scaled FP8 checkpoint transformers' FP8 quantizer would
 (:mod:`hp_dcp_hf.quant.encode`): the tensors it converts are planned in ``float8_e4m3fn``, each with its
