@@ -11,6 +11,10 @@ the same kind (each stage's ``dp`` submesh), yet rank 0 of one stage holds none 
 tensors. Ranks tell each other a digest of the names they hold (:func:`model_part`), and only ranks
 of one part are replicas of each other.
 
+Which replica writes: by default they take turns (a save spreads its writing); with ``lowest`` the
+lowest rank of each group writes all of it, so that the pieces a rank writes are exactly those no
+lower rank holds (a weight source that assembles on rank 0 then moves only what rank 0 lacks).
+
 Plain local shards (torch's ``CheckpointableTensor`` protocol, :mod:`hp_dcp_hf.geometry.shards`) carry no
 mesh: ranks tell each other their shards' geometry instead (each distinct geometry once, then one
 small index per tensor, in name order). A rank whose geometry of a tensor equals this one's is a
@@ -83,11 +87,14 @@ def _coordinate(tensor: DTensor) -> tuple[int, ...] | None:
 class ReplicaGroups:
     """The replicas of the tensors of ``world`` ranks (see the module docstring), from every rank's
     :func:`mesh_coordinates` (``every[r]``) and :func:`model_part` (``parts[r]``; default: one part
-    for all); this rank is ``rank``. :meth:`gather` builds it."""
+    for all); this rank is ``rank``; ``lowest``: the lowest replica writes (see the module
+    docstring). :meth:`gather` builds it."""
 
     def __init__(self, rank: int, world: int, every: Sequence[Mapping[MeshKind, tuple[int, ...] | None]],
-                 parts: Sequence[str] | None = None, shards: Sequence[ShardGeometry | None] | None = None) -> None:
+                 parts: Sequence[str] | None = None, shards: Sequence[ShardGeometry | None] | None = None, *,
+                 lowest: bool = False) -> None:
         self.rank, self.world = rank, world
+        self.lowest = lowest
         parts = parts if parts is not None else [""] * world
         self.same_part = tuple(r for r in range(world) if parts[r] == parts[rank])
         # Protocol tensors: the ranks of this part that hold the same ones, with their geometries.
@@ -105,18 +112,18 @@ class ReplicaGroups:
                     self.holders.setdefault(kind, {}).setdefault(tuple(coordinate), []).append(other)
 
     @classmethod
-    def gather(cls, tensors: Mapping[str, torch.Tensor]) -> ReplicaGroups:
+    def gather(cls, tensors: Mapping[str, torch.Tensor], *, lowest: bool = False) -> ReplicaGroups:
         """Every rank's coordinates and part (``tensors``: the ones it holds, by name), collectively
         (one ``all_gather_object``; none outside a process group)."""
         mine = (mesh_coordinates(list(tensors.values())), model_part(tensors), ShardGeometry.of(tensors))
         names = sorted(name for name, tensor in tensors.items() if is_checkpointable(tensor))
         if not (dist.is_available() and dist.is_initialized()):
-            groups = cls(0, 1, [mine[0]], shards=[mine[2]])
+            groups = cls(0, 1, [mine[0]], shards=[mine[2]], lowest=lowest)
         else:
             every: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(every, mine)
             groups = cls(dist.get_rank(), dist.get_world_size(), [e[0] for e in every], [e[1] for e in every],
-                         [e[2] for e in every])
+                         [e[2] for e in every], lowest=lowest)
         groups.name_positions(names)
         return groups
 
@@ -163,11 +170,11 @@ class ReplicaGroups:
 
     def writes(self, tensor: torch.Tensor, ordinal: int, key: str) -> bool:
         """Whether this rank writes its pieces of ``tensor``, the ``ordinal``-th tensor saved: one
-        replica of each, replicas taking turns."""
+        replica of each, replicas taking turns (the lowest, with ``lowest``)."""
         if isinstance(tensor, DTensor) and any(p.is_partial() for p in tensor.placements):
             raise LayoutError(f"Partial placements {tensor.placements} hold no savable value", key=key)
         group = self.group(tensor, key)
-        return bool(group) and group.index(self.rank) == ordinal % len(group)
+        return bool(group) and group.index(self.rank) == (0 if self.lowest else ordinal % len(group))
 
     def written_pieces(self, tensor: torch.Tensor, ordinal: int, key: str) -> tuple[ShardPiece, ...]:
         """The pieces of ``tensor`` (the ``ordinal``-th tensor saved) this rank writes. A DTensor's
@@ -185,6 +192,7 @@ class ReplicaGroups:
         mine = []
         for piece in pieces:
             ranks = holders.get(piece.global_box, [self.rank])
-            if ranks[(ordinal + sum(piece.global_box.offsets)) % len(ranks)] == self.rank:
+            turn = 0 if self.lowest else (ordinal + sum(piece.global_box.offsets)) % len(ranks)
+            if ranks[turn] == self.rank:
                 mine.append(piece)
         return tuple(mine)

@@ -49,6 +49,7 @@ from hp_dcp_hf.mapping.ops import ConcatenateInGroups, PermuteHeadsForRope
 from hp_dcp_hf.mapping.stages import add_weight_mapping
 from hp_dcp_hf.save.api import save_hf_checkpoint as _save
 from hp_dcp_hf.storage import HFStorageReader
+from hp_dcp_hf.sync.source import HFWeightSource
 
 
 def missing_torchtitan(version: tuple[int, ...] = tuple(sys.version_info)) -> str:
@@ -66,7 +67,8 @@ try:
 except ImportError as error:
     raise ImportError(missing_torchtitan()) from error
 
-__all__ = ["hf_weights_mapping", "load_hf_checkpoint", "model_tensors", "record_fused_qkv", "save_hf_checkpoint"]
+__all__ = ["hf_weights_mapping", "load_hf_checkpoint", "model_tensors", "record_fused_qkv", "save_hf_checkpoint",
+           "weight_source"]
 
 _HF_CONFIG = "_hp_torchtitan_hf_config"  # the checkpoint config a load read: what a save writes back
 _FUSED = "_hp_torchtitan_fused_qkv"  # set once the fused-qkv stage is recorded
@@ -267,16 +269,30 @@ def save_hf_checkpoint(model: nn.Module, path: str | os.PathLike, *, hf_config: 
     keys and grouping are transformers' for that config's class; each rank writes its own shards'
     bytes, in the single parallel pass of :func:`hp_dcp_hf.save_hf_checkpoint` (``kwargs``).
     """
+    _refuse_own_arguments(kwargs)
+    _save(model, path, **_save_arguments(model, hf_config, "save_hf_checkpoint"), **kwargs)
+
+
+def weight_source(model: nn.Module, *, hf_config: Any = None, **kwargs: Any) -> HFWeightSource:
+    """The :class:`~hp_dcp_hf.sync.source.HFWeightSource` of torchtitan model ``model``: the
+    checkpoint tensors :func:`save_hf_checkpoint` would write, as slices of each rank's shards, for
+    a weight update of an inference engine; every rank calls it. ``hf_config`` as
+    :func:`save_hf_checkpoint` takes it; ``kwargs``: ``HFWeightSource``'s (``dtype``, ``quantize``)."""
+    _refuse_own_arguments(kwargs)
+    return HFWeightSource(model, **_save_arguments(model, hf_config, "weight_source"), **kwargs)
+
+
+def _save_arguments(model: nn.Module, hf_config: Any, caller: str) -> dict[str, Any]:
+    """What a save of ``model`` (or a weight source over it) plans with: the family's mapping,
+    the checkpoint config (given, or the one its load read), the model's own tensors."""
     from hp_dcp_hf.model.config import read_config
 
-    _refuse_own_arguments(kwargs)
     if isinstance(hf_config, (str, os.PathLike)):
         hf_config = read_config(os.fspath(hf_config))
     hf_config = hf_config if hf_config is not None else getattr(model, _HF_CONFIG, None)
     if hf_config is None:
-        raise ArgumentError("save_hf_checkpoint needs hf_config= (a transformers config, or the path of a "
+        raise ArgumentError(f"{caller} needs hf_config= (a transformers config, or the path of a "
                             "checkpoint to take config.json from) for a model not loaded by this integration")
     record_fused_qkv(model)
-    _save(model, path, weights_mapping=hf_weights_mapping(model), hf_config=hf_config,
-          state_dict=model_tensors(model), **kwargs)
+    return {"weights_mapping": hf_weights_mapping(model), "hf_config": hf_config, "state_dict": model_tensors(model)}
 

@@ -17,8 +17,9 @@ a :class:`MappingError` before any byte is written.
 
 Each byte is written by one rank: a piece held by several ranks (``Replicate`` dims, the parallel
 copies of a submesh, plain tensors in a process group) is written by one of its replicas, the
-``i``-th tensor's by replica ``i mod replicas``, so replicas share the writing. Plain local shards
-(``CheckpointableTensor``) are written shard by shard: a shard several ranks list, by one of them.
+``i``-th tensor's by replica ``i mod replicas``, so replicas share the writing (or each by its
+lowest rank: ``lowest_replica_writes``). Plain local shards (``CheckpointableTensor``) are written
+shard by shard: a shard several ranks list, by one of them.
 
 ``quantize="fp8"`` writes the block-scaled FP8 checkpoint transformers' FP8 quantizer would
 (:mod:`hp_dcp_hf.quant.encode`): the tensors it converts are planned in ``float8_e4m3fn``, each with its
@@ -267,6 +268,8 @@ class HFSavePlanner(SavePlanner):
         pipeline_stage: this rank's model is one pipeline stage: checkpoint tensors it holds
             nothing of are other stages' to write. Either way the coordinator checks, over every
             rank's plan, that each checkpoint element is written exactly once.
+        lowest_replica_writes: a piece several ranks hold is planned on the lowest of them, not
+            on each in turn (a weight source gathering to rank 0: others plan only what it lacks).
 
     Tensors are planned in the model's dtypes (quantized ones in FP8, with their scales);
     :class:`~hp_dcp_hf.storage.HFStorageWriter` casts them on write when given a ``dtype``, and
@@ -274,8 +277,10 @@ class HFSavePlanner(SavePlanner):
     """
 
     def __init__(self, model: nn.Module, *, weights_mapping: Sequence[WeightTransform] | None = None,
-                 quantize: Quantize | None = None, pipeline_stage: bool = False, hf_config: Any = None) -> None:
+                 quantize: Quantize | None = None, pipeline_stage: bool = False, hf_config: Any = None,
+                 lowest_replica_writes: bool = False) -> None:
         self.model = model
+        self.lowest_replica_writes = lowest_replica_writes
         self.weights_mapping = weights_mapping
         self.hf_config = hf_config
         if hf_config is not None and (isinstance(model, PreTrainedModel) or weights_mapping is None):
@@ -350,7 +355,8 @@ class HFSavePlanner(SavePlanner):
         items: list[WriteItem] = []
         self._views.clear()
         self.bytes_planned = 0
-        replicas = ReplicaGroups.gather({target: state_dict[target] for target in fill})
+        replicas = ReplicaGroups.gather({target: state_dict[target] for target in fill},
+                                        lowest=self.lowest_replica_writes)
         layout = None
         if quantized is not None:
             plain = next((target for target in fill if is_checkpointable(state_dict[target])), None)

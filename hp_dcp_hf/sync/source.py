@@ -17,7 +17,7 @@ reads its FP8 bytes and scales alone.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,21 +69,34 @@ class HFWeightSource:
             (its files' tensors exactly). Each update then starts with :meth:`snapshot` on every rank.
         weights_mapping, hf_config: as :class:`~hp_dcp_hf.save.planner.HFSavePlanner` takes them (a
             model that is not a transformers model: torchtitan's, a plain module with a mapping).
+        state_dict: the model's tensors to send, as ``save_hf_checkpoint(state_dict=)`` takes them;
+            default ``model.state_dict()``. They must be the live tensors (each update reads them):
+            torchtitan's are its own parameters, whose ``state_dict()`` hands out gathered copies.
+        lowest_replica_holds: a piece several ranks hold is this source's slice on the lowest of
+            them (default: replicas take turns, as a save's writing does); then each rank's slices
+            are exactly the bytes no lower rank holds (what
+            :class:`~hp_dcp_hf.integrations.vllm.source.VLLMWeightSource` moves to rank 0).
 
     ``metadata()`` describes the whole checkpoint on every rank, ``slices()`` this rank's part;
     together the ranks' slices cover every checkpoint element exactly once (the save's own check).
     """
 
     def __init__(self, model: nn.Module, *, dtype: torch.dtype | None = None, quantize: Quantize | None = None,
-                 weights_mapping: Sequence[WeightTransform] | None = None, hf_config: Any = None) -> None:
+                 weights_mapping: Sequence[WeightTransform] | None = None, hf_config: Any = None,
+                 state_dict: Mapping[str, torch.Tensor] | None = None, lowest_replica_holds: bool = False) -> None:
         if dtype is not None and not dtype.is_floating_point:
             raise ArgumentError(f"dtype={dtype}: the wire dtype of floating-point weights must be floating-point")
         self.model = model
         self.dtype = dtype
-        planner = HFSavePlanner(model, weights_mapping=weights_mapping, hf_config=hf_config, quantize=quantize)
-        state_dict = model.state_dict()
-        planner.set_up_planner(state_dict, is_coordinator=False)
-        items, request = planner.plan_writes(state_dict)
+        self.lowest_replica_holds = lowest_replica_holds
+        planner = HFSavePlanner(model, weights_mapping=weights_mapping, hf_config=hf_config, quantize=quantize,
+                                lowest_replica_writes=lowest_replica_holds)
+        # Planned without autograd: a DTensor's local shard is then the tensor itself, not a view made
+        # by an autograd Function, which a training step's in-place update would make unreadable.
+        with torch.no_grad():
+            state_dict = dict(model.state_dict() if state_dict is None else state_dict)
+            planner.set_up_planner(state_dict, is_coordinator=False)
+            items, request = planner.plan_writes(state_dict)
         self._layout: Fp8Layout | None = request.quantization
         self._stored = set() if self._layout is None else {*self._layout.shapes, *self._layout.scales}
         self._metadata = [TensorMeta(name, dtype_ if name in self._stored else self._wire_dtype(dtype_), tuple(shape))

@@ -12,7 +12,7 @@ identity matrix (``I @ W.T`` is exact: each output is one product by 1.0 plus ex
 takes every other parameter (embeddings, norms, biases, prepacked experts) as it is.
 
 :func:`fresh_engine_snapshot` is the oracle of a weight update: the same engine loaded from a
-checkpoint directory in a separate process (``python -m tests.support.engine CHECKPOINT OUT``),
+checkpoint directory in a separate process (``python -m tests.support.engine CHECKPOINT OUT [DTYPE]``),
 whose effective weights and greedy generations come back through files.
 """
 
@@ -88,11 +88,13 @@ def start_engine(
     checkpoint: str | os.PathLike[str],
     *,
     weight_transfer_config: Mapping[str, Any] | None = None,
+    dtype: str = "float32",
     tensor_parallel_size: int = 1,
     **llm_kwargs: Any,
 ):
-    """An in-process ``vllm.LLM`` on ``checkpoint``: float32 (bf16 dies with SIGILL on this
-    machine's advertised-but-unusable AMX), eager, no tokenizer, 128-token context, KV blocks of
+    """An in-process ``vllm.LLM`` on ``checkpoint``: float32 by default (bf16 dies with SIGILL on
+    this machine's advertised-but-unusable AMX in the attention vLLM picks when ``head_dim`` is a
+    multiple of 32; ``"bfloat16"`` with e.g. ``head_dim=48``, as FP8 serving needs), eager, no tokenizer, 128-token context, KV blocks of
     32 tokens (the CPU attention's smallest; its default 128 would leave every prompt that fits
     the context without a whole block for the prefix cache to keep).
 
@@ -115,7 +117,7 @@ def start_engine(
         str(checkpoint),
         skip_tokenizer_init=True,
         enforce_eager=True,
-        dtype="float32",
+        dtype=dtype,
         max_model_len=128,
         block_size=32,
         **llm_kwargs,
@@ -232,9 +234,10 @@ def differing(actual: Mapping[str, torch.Tensor], expected: Mapping[str, torch.T
     return [n for n in names if n not in actual or n not in expected or not same(actual[n], expected[n])]
 
 
-def fresh_engine_snapshot(checkpoint: str | os.PathLike[str], workdir: str | os.PathLike[str],
-                          tensor_parallel_size: int = 1) -> EngineSnapshot:
-    """The :class:`EngineSnapshot` of an engine loaded from ``checkpoint`` in a separate process.
+def fresh_engine_snapshot(checkpoint: str | os.PathLike[str], workdir: str | os.PathLike[str], *,
+                          dtype: str = "float32", tensor_parallel_size: int = 1) -> EngineSnapshot:
+    """The :class:`EngineSnapshot` of an engine loaded from ``checkpoint`` in a separate process
+    (``dtype``, ``tensor_parallel_size``: as :func:`start_engine` takes them).
 
     The reference of an update: what the updated engine must equal. A process of its own, so it
     shares no state (process groups, caches, patched loaders) with the engine under test.
@@ -245,7 +248,7 @@ def fresh_engine_snapshot(checkpoint: str | os.PathLike[str], workdir: str | os.
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (str(_REPO_ROOT), os.environ.get("PYTHONPATH")))))
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.support.engine", str(checkpoint), str(out), str(tensor_parallel_size)],
+        [sys.executable, "-m", "tests.support.engine", str(checkpoint), str(out), dtype, str(tensor_parallel_size)],
         cwd=_REPO_ROOT, env=env, capture_output=True, text=True, timeout=300,
     )
     if proc.returncode != 0:
@@ -254,18 +257,14 @@ def fresh_engine_snapshot(checkpoint: str | os.PathLike[str], workdir: str | os.
     return EngineSnapshot(load_file(out / "weights.safetensors"), generations)
 
 
-def _write_snapshot(checkpoint: str, out: str, tensor_parallel_size: str = "1") -> None:
+def _write_snapshot(checkpoint: str, out: str, dtype: str = "float32", tensor_parallel_size: str = "1") -> None:
     from safetensors.torch import save_file
 
-    llm = start_engine(checkpoint, tensor_parallel_size=int(tensor_parallel_size))
+    llm = start_engine(checkpoint, dtype=dtype, tensor_parallel_size=int(tensor_parallel_size))
     state = snapshot(llm)
     # Tied names are separate copies already (effective_weights clones), which save_file requires.
     save_file(state.weights, str(Path(out) / "weights.safetensors"))
     (Path(out) / "generations.json").write_text(json.dumps(state.generations))
-
-
-if __name__ == "__main__":
-    _write_snapshot(*sys.argv[1:4])
 
 
 def worker_transfer_stats(worker) -> dict[str, int]:
@@ -273,3 +272,7 @@ def worker_transfer_stats(worker) -> dict[str, int]:
     (:func:`worker_call`): bytes received, and bytes the worker consumes."""
     receiver = worker.weight_transfer_engine.receiver
     return {"bytes_received": receiver.stats.bytes_received, "needed_bytes": receiver.needed_bytes}
+
+
+if __name__ == "__main__":
+    _write_snapshot(*sys.argv[1:5])

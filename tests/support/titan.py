@@ -21,6 +21,16 @@ pytest.importorskip("torchtitan", exc_type=ImportError,
 
 DIM, VOCAB, LAYERS = 64, 130, 2  # 130 rows: uneven over 4 ranks (33, 33, 33, 31)
 FAMILIES = ("llama3", "qwen3", "qwen3_moe", "deepseek_v3", "deepseek_v3_q_lora", "gpt_oss")
+# A llama3 of the shapes vLLM's CPU engine serves as they are (tests/support/engine.py: head_dim 32,
+# a vocabulary of whole 64-row blocks): the checkpoint is tests.support.models' llama of
+# ENGINE_CONFIG with hidden_size 128, untied (made in vLLM's venv, which has no torchtitan). Not
+# in FAMILIES: the mapping tests cover llama3.
+ENGINE_LLAMA3 = "llama3_engine"
+_ENGINE_DIM, _ENGINE_VOCAB = 128, 128
+
+
+def _dims(family: str) -> tuple[int, int]:
+    return (_ENGINE_DIM, _ENGINE_VOCAB) if family == ENGINE_LLAMA3 else (DIM, VOCAB)
 
 
 def titan_config(family: str):
@@ -28,14 +38,16 @@ def titan_config(family: str):
     from torchtitan.models.common import Embedding, Linear, RMSNorm
 
     attn = "flex"
-    if family == "llama3":
+    if family in ("llama3", ENGINE_LLAMA3):
         from torchtitan.models.common import ComplexRoPE
         from torchtitan.models.llama3 import Llama3Model
         from torchtitan.models.llama3 import _build_llama3_layers as build
 
-        layers = build(n_layers=LAYERS, dim=DIM, n_heads=4, n_kv_heads=2, hidden_dim=96, attn_backend=attn,
-                       rope=ComplexRoPE.Config(dim=16, max_seq_len=256, theta=500000, scaling="none"))
-        return Llama3Model.Config(dim=DIM, vocab_size=VOCAB, layers=layers, **_ends(Embedding, RMSNorm, Linear))
+        dim, vocab = _dims(family)
+        layers = build(n_layers=LAYERS, dim=dim, n_heads=4, n_kv_heads=2, hidden_dim=96, attn_backend=attn,
+                       rope=ComplexRoPE.Config(dim=dim // 4, max_seq_len=256, theta=500000, scaling="none"))
+        return Llama3Model.Config(dim=dim, vocab_size=vocab, layers=layers,
+                                  **_ends(Embedding, RMSNorm, Linear, dim, vocab))
     if family in ("qwen3", "qwen3_moe"):
         from torchtitan.models.common import CosSinRoPE
         from torchtitan.models.qwen3 import Qwen3Model, _build_qwen3_layers, _build_qwen3_moe_layers
@@ -74,10 +86,10 @@ def titan_config(family: str):
     raise ValueError(family)
 
 
-def _ends(Embedding, RMSNorm, Linear) -> dict[str, Any]:
-    return {"tok_embeddings": Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM),
-            "norm": RMSNorm.Config(normalized_shape=DIM),
-            "lm_head": Linear.Config(in_features=DIM, out_features=VOCAB)}
+def _ends(Embedding, RMSNorm, Linear, dim: int = DIM, vocab: int = VOCAB) -> dict[str, Any]:
+    return {"tok_embeddings": Embedding.Config(num_embeddings=vocab, embedding_dim=dim),
+            "norm": RMSNorm.Config(normalized_shape=dim),
+            "lm_head": Linear.Config(in_features=dim, out_features=vocab)}
 
 
 def hf_config(family: str):
@@ -207,7 +219,7 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def parallelize_fn(family: str):
-    if family == "llama3":
+    if family in ("llama3", ENGINE_LLAMA3):
         from torchtitan.models.llama3 import parallelize_llama
         return parallelize_llama
     if family.startswith("qwen3"):

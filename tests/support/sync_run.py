@@ -1,0 +1,67 @@
+"""Run :mod:`tests.support.sync_trainer` under ``torchrun`` against an engine's RL routes and check
+the engine after every update: the driver of the tests in which trainers in the main venv update
+a vLLM engine in this process (tests/vllm).
+
+The trainer's environment: the main venv's python (``HP_DCP_HF_TRAINER_PYTHON``, as ``make
+test-vllm`` sets it), the repository first on ``PYTHONPATH``, one OpenMP thread per rank, and none
+of the in-process engine's variables.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from hp_dcp_hf.tools.launch import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+TRAINER_PYTHON = os.environ.get("HP_DCP_HF_TRAINER_PYTHON", str(REPO / ".venv" / "bin" / "python"))
+
+
+def _wait(path: Path, proc: subprocess.Popen, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def run_trainers(url: str, checkpoint: Path, workdir: Path, world: int, args: Sequence[str],
+                 check: Callable[[int, Path, list[dict]], None], *, updates: int = 2,
+                 timeout_s: float = 300.0) -> tuple[int, str]:
+    """Run ``world`` trainer ranks on ``checkpoint`` (``args``: more sync_trainer options) against
+    the engine at ``url``. After update K has been saved, ``check(K, saved_files, figures)`` runs
+    (figures: each rank's JSON) before the trainers go on. Returns how many updates were checked
+    and the trainers' log."""
+    trainer_dir = workdir / "trainer"
+    trainer_dir.mkdir(parents=True)
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    for name in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE"):
+        env.pop(name, None)
+    command = [TRAINER_PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
+               "--master-port", str(free_port()), "-m", "tests.support.sync_trainer",
+               "--checkpoint", str(checkpoint), "--engine", url, "--workdir", str(trainer_dir),
+               "--updates", str(updates), *args]
+    checked = 0
+    log_path = workdir / "trainer.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            for update in range(1, updates + 1):
+                if not _wait(trainer_dir / f"saved{update}", proc, timeout_s):
+                    break
+                figures = [json.loads((trainer_dir / f"rank{r}-update{update}.json").read_text())
+                           for r in range(world)]
+                check(update, trainer_dir / f"update{update}", figures)
+                checked += 1
+                (trainer_dir / f"continue{update}").touch()
+            proc.wait(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    return checked, log_path.read_text()
