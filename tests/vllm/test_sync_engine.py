@@ -15,16 +15,11 @@ it needs, once.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
 from hp_dcp_hf.errors import SyncError
-from hp_dcp_hf.tools.launch import free_port
 from tests.support.engine import (
     differing,
     fresh_engine_snapshot,
@@ -37,9 +32,8 @@ from tests.support.engine import (
 )
 from tests.support.models import read_checkpoint
 from tests.support.rl_server import RLServer
+from tests.support.sync_run import run_trainers
 
-REPO = Path(__file__).resolve().parents[2]
-TRAINER_PYTHON = os.environ.get("HP_DCP_HF_TRAINER_PYTHON", str(REPO / ".venv" / "bin" / "python"))
 CHANGED = "self_attn"  # layer 0's q, k, v, o projections: what the trainer's step changes
 
 
@@ -80,46 +74,21 @@ def _oracle(engine, update: int, files: Path):
     return cached[1]
 
 
-def _wait(path: Path, proc: subprocess.Popen, timeout_s: float = 240.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not path.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
-
-
 def _train(engine, tmp_path: Path, layout: str, world: int, *, delta: bool = False, die_rank: int = -1):
-    """Run the trainers; after each update compare the engine against the oracle. Returns the
-    per-update figures of every rank and of the engine's worker."""
-    workdir = tmp_path / "trainer"
-    workdir.mkdir()
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    for name in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE"):
-        env.pop(name, None)
-    command = [TRAINER_PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
-               "--master-port", str(free_port()), "-m", "tests.support.sync_trainer",
-               "--checkpoint", str(engine["trained"]), "--engine", engine["server"].url, "--workdir", str(workdir),
-               "--layout", layout] + (["--delta"] if delta else []) + ["--die-rank", str(die_rank)]
+    """Run the trainers; after each update compare the engine against the oracle. Returns each
+    checked update's figures (every rank's, every engine worker's) and the trainers' log."""
     figures = []
-    with open(tmp_path / "trainer.log", "w") as log:
-        proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            for update in (1, 2):
-                if not _wait(workdir / f"saved{update}", proc):
-                    break
-                ranks = [json.loads((workdir / f"rank{r}-update{update}.json").read_text()) for r in range(world)]
-                received = _received(engine)
-                state, oracle = snapshot(engine["llm"]), _oracle(engine, update, workdir / f"update{update}")
-                assert differing(state.weights, oracle.weights) == [], (layout, update)
-                assert state.generations == oracle.generations
-                figures.append((ranks, received))
-                (workdir / f"continue{update}").touch()
-            proc.wait(timeout=120)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-    return figures, workdir, (tmp_path / "trainer.log").read_text()
+
+    def check(update: int, files: Path, ranks: list[dict]) -> None:
+        workers = _received(engine)
+        state, oracle = snapshot(engine["llm"]), _oracle(engine, update, files)
+        assert differing(state.weights, oracle.weights) == [], (layout, update)
+        assert state.generations == oracle.generations
+        figures.append((ranks, workers))
+
+    args = ["--layout", layout, "--die-rank", str(die_rank)] + (["--delta"] if delta else [])
+    _, log = run_trainers(engine["server"].url, engine["trained"], tmp_path, world, args, check)
+    return figures, log
 
 
 LLAMA, MOE, LLAMA_TP2 = ("llama", 1), ("qwen3_moe", 1), ("llama", 2)  # engines: (model type, TP)
@@ -137,7 +106,7 @@ def _checkpoint_bytes(path: Path) -> int:
 @pytest.mark.parametrize("engine,layout,world", UPDATES, indirect=["engine"],
                          ids=[f"{m}-engine-tp{tp}-{layout}{world}" for (m, tp), layout, world in UPDATES])
 def test_updates_equal_a_fresh_engine_on_the_saved_weights(engine, tmp_path, layout, world):
-    figures, _, log = _train(engine, tmp_path, layout, world)
+    figures, log = _train(engine, tmp_path, layout, world)
     assert len(figures) == 2, log[-4000:]
     whole = _checkpoint_bytes(engine["trained"])
     for ranks, workers in figures:
@@ -154,7 +123,7 @@ def test_updates_equal_a_fresh_engine_on_the_saved_weights(engine, tmp_path, lay
 
 @pytest.mark.parametrize("engine", [LLAMA, MOE], indirect=True, ids=["llama", "qwen3_moe"])
 def test_a_delta_update_sends_exactly_what_changed(engine, tmp_path):
-    figures, _, log = _train(engine, tmp_path, "fsdp", 2, delta=True)
+    figures, log = _train(engine, tmp_path, "fsdp", 2, delta=True)
     assert len(figures) == 2, log[-4000:]
     changed = sum(t.numel() * t.element_size() for name, t in read_checkpoint(engine["trained"]).items()
                   if name.startswith("model.layers.0.") and CHANGED in name)
@@ -167,7 +136,7 @@ def test_a_delta_update_sends_exactly_what_changed(engine, tmp_path):
 @pytest.mark.parametrize("engine", [LLAMA], indirect=True, ids=["llama"])
 def test_a_trainer_rank_dying_leaves_the_engine_on_its_previous_weights(engine, tmp_path):
     errors_before = len(engine["server"].errors)
-    figures, _, log = _train(engine, tmp_path, "tp", 2, die_rank=1)
+    figures, log = _train(engine, tmp_path, "tp", 2, die_rank=1)
     assert len(figures) == 1, log[-4000:]  # the first update landed and was compared; the second died
     error = engine["server"].errors[errors_before]
     assert isinstance(error, SyncError) and "trainer rank 1" in str(error), error
