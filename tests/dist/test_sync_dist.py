@@ -65,6 +65,12 @@ def _trainer(rank: int, world: int, path: str, model_type: str, case: str, rende
                 local_tensor(param).add_(1.0)
     if fail == "trainer" and rank == world - 1:
         os._exit(3)  # dies without a word: its sockets close with the process
+    if fail == "worker":  # the engine's worker is gone: every rank must say so, not hang
+        try:
+            sender.send(2)
+        except SyncError as error:
+            return {"error": str(error)}
+        return {"error": None}
     second = sender.send(2)
     held = sum(s.numel * 4 for s in source.slices())
     return {"first": first.bytes_sent, "second": second.bytes_sent, "held": held,
@@ -84,7 +90,7 @@ def _needs(tensors: dict, workers: int, worker: int) -> dict[str, list[Box]]:
     return needs
 
 
-def _workers(rendezvous: str, workers: int, results: list, corrupt: bool) -> list[threading.Thread]:
+def _workers(rendezvous: str, workers: int, results: list, corrupt: bool, die: bool) -> list[threading.Thread]:
     from hp_dcp_hf.sync.receiver import WeightReceiver
     from hp_dcp_hf.sync.source import TensorMeta
     from hp_dcp_hf.sync.wire import dtype_from_name
@@ -113,6 +119,9 @@ def _workers(rendezvous: str, workers: int, results: list, corrupt: bool) -> lis
                 receiver._store = flipping
             got = []
             for update in (1, 2):
+                if die and update == 2:  # the worker's process dies: its connections close
+                    receiver.close()
+                    break
                 kept = receiver.receive(update)
                 got.append(({k: v.clone() for k, v in kept.items()}, receiver.stats, receiver.needed_bytes))
             results.append((worker, got, receiver.needs))
@@ -130,12 +139,13 @@ CASES = [  # (model type, layout, trainer ranks, engine workers)
 ]
 
 
-def _run(tmp_path, model_type, case, world, workers, *, delta=False, bucket_bytes=1 << 14, fail="", corrupt=False):
+def _run(tmp_path, model_type, case, world, workers, *, delta=False, bucket_bytes=1 << 14, fail="", corrupt=False,
+         die=False):
     path = make_checkpoint(model_type, tmp_path / "ckpt", dtype=torch.float32, seed=3)
     rendezvous = tmp_path / "rendezvous"
     rendezvous.mkdir()
     results: list = []
-    threads = _workers(str(rendezvous), workers, results, corrupt)
+    threads = _workers(str(rendezvous), workers, results, corrupt, die)
     for thread in threads:
         thread.start()
     try:
@@ -194,3 +204,9 @@ def test_a_trainer_rank_dying_fails_the_update_everywhere(tmp_path):
     (_, error, _), = results
     assert isinstance(error, SyncError) and "trainer rank 1" in str(error), error
     assert isinstance(trainers, BaseException)
+
+
+def test_an_engine_worker_dying_fails_the_update_on_every_trainer_rank(tmp_path):
+    _, trainers, _ = _run(tmp_path, "llama", "tp", 2, 1, die=True, fail="worker")
+    assert not isinstance(trainers, BaseException), trainers
+    assert all(t["error"] and "engine worker 0" in t["error"] for t in trainers), trainers
