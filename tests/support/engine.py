@@ -44,6 +44,7 @@ __all__ = [
     "shutdown_engine",
     "snapshot",
     "start_engine",
+    "transfer_engine",
     "worker_call",
     "worker_effective_weights",
     "worker_transfer_stats",
@@ -265,6 +266,11 @@ def _write_snapshot(checkpoint: str, out: str, dtype: str = "float32", tensor_pa
     # Tied names are separate copies already (effective_weights clones), which save_file requires.
     save_file(state.weights, str(Path(out) / "weights.safetensors"))
     (Path(out) / "generations.json").write_text(json.dumps(state.generations))
+
+
+def transfer_engine(llm):
+    """The weight-transfer engine of an in-process engine's worker (tensor_parallel_size 1)."""
+    return llm.llm_engine.model_executor.driver_worker.worker.weight_transfer_engine
 
 
 def worker_transfer_stats(worker) -> dict[str, int]:

@@ -65,3 +65,31 @@ def run_trainers(url: str, checkpoint: Path, workdir: Path, world: int, args: Se
             if proc.poll() is None:
                 proc.kill()
     return checked, log_path.read_text()
+
+
+class Oracles:
+    """The oracle of each update: a fresh engine (:func:`tests.support.engine.fresh_engine_snapshot`,
+    ``engine_options`` as it takes them) on the trainers' saved files, computed once per update
+    number. The trainers of every layout must have saved the same tensors, which each call checks:
+    then one fresh engine per update serves every layout's test."""
+
+    def __init__(self, root: Path, **engine_options) -> None:
+        self.root = root
+        self.engine_options = engine_options
+        self._by_update: dict[int, tuple[dict, object]] = {}
+
+    def __call__(self, update: int, files: Path):
+        from tests.support.engine import differing, fresh_engine_snapshot
+        from tests.support.models import read_checkpoint
+
+        tensors = read_checkpoint(files)
+        if update not in self._by_update:
+            self._by_update[update] = tensors, fresh_engine_snapshot(files, self.root / f"oracle{update}",
+                                                                     **self.engine_options)
+        saved, oracle = self._by_update[update]
+        assert differing(tensors, saved) == [], "the trainers of two layouts saved different weights"
+        return oracle
+
+    def seen(self, update: int):
+        """The oracle of an update an earlier check computed."""
+        return self._by_update[update][1]

@@ -22,7 +22,6 @@ import pytest
 from hp_dcp_hf.errors import SyncError
 from tests.support.engine import (
     differing,
-    fresh_engine_snapshot,
     make_engine_checkpoint,
     shutdown_engine,
     snapshot,
@@ -32,7 +31,7 @@ from tests.support.engine import (
 )
 from tests.support.models import read_checkpoint
 from tests.support.rl_server import RLServer
-from tests.support.sync_run import run_trainers
+from tests.support.sync_run import Oracles, run_trainers
 
 CHANGED = "self_attn"  # layer 0's q, k, v, o projections: what the trainer's step changes
 
@@ -51,8 +50,8 @@ def engine(request, tmp_path_factory):
     trained = make_engine_checkpoint(model_type, root / "B", seed=1)
     llm = start_engine(initial, weight_transfer_config={"backend": "hp_dcp_hf"}, tensor_parallel_size=tp)
     server = RLServer(llm)
-    yield {"llm": llm, "server": server, "trained": trained, "root": root, "oracles": {}, "tp": tp,
-           "model_type": model_type}
+    yield {"llm": llm, "server": server, "trained": trained, "oracles": Oracles(root, tensor_parallel_size=tp),
+           "tp": tp, "model_type": model_type}
     server.close()
     shutdown_engine(llm)
 
@@ -62,18 +61,6 @@ def _received(engine) -> list[dict[str, int]]:
     return worker_call(engine["llm"], worker_transfer_stats)
 
 
-def _oracle(engine, update: int, files: Path):
-    """The fresh engine's snapshot of the trainer's files of ``update``, computed once per model:
-    every layout's trainer must have saved the same bytes (checked here)."""
-    tensors = read_checkpoint(files)
-    cached = engine["oracles"].get(update)
-    if cached is None:
-        cached = engine["oracles"][update] = (tensors, fresh_engine_snapshot(
-            files, engine["root"] / f"oracle{update}", tensor_parallel_size=engine["tp"]))
-    assert differing(tensors, cached[0]) == [], "the trainers of two layouts saved different weights"
-    return cached[1]
-
-
 def _train(engine, tmp_path: Path, layout: str, world: int, *, delta: bool = False, die_rank: int = -1):
     """Run the trainers; after each update compare the engine against the oracle. Returns each
     checked update's figures (every rank's, every engine worker's) and the trainers' log."""
@@ -81,7 +68,7 @@ def _train(engine, tmp_path: Path, layout: str, world: int, *, delta: bool = Fal
 
     def check(update: int, files: Path, ranks: list[dict]) -> None:
         workers = _received(engine)
-        state, oracle = snapshot(engine["llm"]), _oracle(engine, update, files)
+        state, oracle = snapshot(engine["llm"]), engine["oracles"](update, files)
         assert differing(state.weights, oracle.weights) == [], (layout, update)
         assert state.generations == oracle.generations
         figures.append((ranks, workers))
@@ -140,6 +127,6 @@ def test_a_trainer_rank_dying_leaves_the_engine_on_its_previous_weights(engine, 
     assert len(figures) == 1, log[-4000:]  # the first update landed and was compared; the second died
     error = engine["server"].errors[errors_before]
     assert isinstance(error, SyncError) and "trainer rank 1" in str(error), error
-    state, previous = snapshot(engine["llm"]), engine["oracles"][1][1]
+    state, previous = snapshot(engine["llm"]), engine["oracles"].seen(1)
     assert differing(state.weights, previous.weights) == []  # still serving update 1's weights, exactly
     assert state.generations == previous.generations

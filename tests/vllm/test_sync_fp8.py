@@ -26,15 +26,15 @@ import torch
 from tests.support.engine import (
     ENGINE_CONFIG,
     differing,
-    fresh_engine_snapshot,
     generate,
     shutdown_engine,
     snapshot,
     start_engine,
+    transfer_engine,
 )
-from tests.support.models import build_model, make_checkpoint, read_checkpoint
+from tests.support.models import build_model, make_checkpoint
 from tests.support.rl_server import RLServer
-from tests.support.sync_run import run_trainers
+from tests.support.sync_run import Oracles, run_trainers
 
 # Projections of whole 128 x 128 blocks (8 heads of 48: 384 rows), split inside blocks by TP 2.
 SIZES = {**ENGINE_CONFIG, "hidden_size": 256, "intermediate_size": 512, "head_dim": 48,
@@ -56,13 +56,9 @@ def engine(tmp_path_factory):
     server = RLServer(llm)
     quantization = json.loads((root / "A" / "config.json").read_text())["quantization_config"]
     yield {"llm": llm, "server": server, "trained": trained, "root": root, "quantization": quantization,
-           "initial": generate(llm), "oracles": {}}
+           "initial": generate(llm), "oracles": Oracles(root, dtype=DTYPE)}
     server.close()
     shutdown_engine(llm)
-
-
-def _receiver(llm):
-    return llm.llm_engine.model_executor.driver_worker.worker.weight_transfer_engine.receiver
 
 
 @pytest.mark.parametrize("layout", ["tp", "fsdp"])
@@ -71,13 +67,8 @@ def test_fp8_updates_equal_a_fresh_engine_on_the_fp8_save(engine, tmp_path, layo
 
     def check(update, files, ranks):
         assert not [r for r in ranks if "error" in r], ranks
-        tensors = read_checkpoint(files)
-        if update not in engine["oracles"]:
-            engine["oracles"][update] = tensors, fresh_engine_snapshot(files, engine["root"] / f"oracle{update}",
-                                                                        dtype=DTYPE)
-        saved, oracle = engine["oracles"][update]
-        assert differing(tensors, saved) == [], "the TP and FSDP trainers saved different FP8 bytes"
-        receiver = _receiver(llm)
+        oracle = engine["oracles"](update, files)
+        receiver = transfer_engine(llm).receiver
         fp8 = [name for name, meta in receiver.tensors.items() if meta.dtype == torch.float8_e4m3fn]
         assert fp8 and all(receiver.kept[name].dtype == torch.float8_e4m3fn for name in fp8)
         assert sum(r["bytes_sent"] for r in ranks) == receiver.stats.bytes_received == receiver.needed_bytes

@@ -20,15 +20,15 @@ import torch
 from tests.support.engine import (
     ENGINE_CONFIG,
     differing,
-    fresh_engine_snapshot,
     generate,
     shutdown_engine,
     snapshot,
     start_engine,
+    transfer_engine,
 )
-from tests.support.models import make_checkpoint, read_checkpoint
+from tests.support.models import make_checkpoint
 from tests.support.rl_server import RLServer
-from tests.support.sync_run import run_trainers
+from tests.support.sync_run import Oracles, run_trainers
 
 # tests.support.titan's ENGINE_LLAMA3 (torchtitan: dim 128, 4 heads of 32, 2 kv heads, 2 layers).
 SIZES = {**ENGINE_CONFIG, "hidden_size": 128, "tie_word_embeddings": False}
@@ -45,13 +45,9 @@ def engine(tmp_path_factory):
     trained = make_checkpoint("llama", root / "B", dtype=torch.float32, seed=1, **SIZES)
     llm = start_engine(initial, weight_transfer_config={"backend": "hp_dcp_hf"})
     server = RLServer(llm)
-    yield {"llm": llm, "server": server, "trained": trained, "root": root, "initial": generate(llm), "oracles": {}}
+    yield {"llm": llm, "server": server, "trained": trained, "root": root, "initial": generate(llm), "oracles": Oracles(root)}
     server.close()
     shutdown_engine(llm)
-
-
-def _receiver(llm):
-    return llm.llm_engine.model_executor.driver_worker.worker.weight_transfer_engine.receiver
 
 
 @pytest.mark.parametrize("layout", ["tp", "fsdp"])
@@ -60,12 +56,8 @@ def test_titan_updates_equal_a_fresh_engine_on_the_titan_save(engine, tmp_path, 
 
     def check(update, files, ranks):
         assert not [r for r in ranks if "error" in r], ranks
-        tensors = read_checkpoint(files)
-        if update not in engine["oracles"]:
-            engine["oracles"][update] = tensors, fresh_engine_snapshot(files, engine["root"] / f"oracle{update}")
-        saved, oracle = engine["oracles"][update]
-        assert differing(tensors, saved) == [], "the TP and FSDP trainers saved different weights"
-        receiver = _receiver(llm)
+        oracle = engine["oracles"](update, files)
+        receiver = transfer_engine(llm).receiver
         assert sum(r["bytes_sent"] for r in ranks) == receiver.stats.bytes_received == receiver.needed_bytes
         assert [r["bytes_sent"] for r in ranks] == [r["held_bytes"] for r in ranks]  # TP 1: all it holds
         state = snapshot(llm)
