@@ -11,6 +11,7 @@ own bytes straight to the engine workers that consume them. Nothing is gathered.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Any, Protocol
@@ -22,6 +23,8 @@ from hp_dcp_hf.sync.sender import DEFAULT_BUCKET_BYTES, UpdateStats, WeightSende
 from hp_dcp_hf.sync.source import HFWeightSource
 from hp_dcp_hf.sync.wire import dtype_name
 from hp_dcp_hf.util.collectives import agree_on_failure, should_broadcast
+
+logger = logging.getLogger(__name__)
 
 
 class EngineClient(Protocol):
@@ -103,6 +106,10 @@ class TrainerWeightSync:
         _raise_on_all(error)
         assert self.stats is not None
         self.stats.seconds = time.perf_counter() - start
+        if self.is_sender:
+            logger.info("weight update %d: rank 0 sent %d bytes (%d pieces, %d unchanged) to %d engine workers "
+                        "in %.3f s", self.update, self.stats.bytes_sent, self.stats.pieces_sent,
+                        self.stats.pieces_unchanged, len(self.stats.bytes_per_worker), self.stats.seconds)
         return self.stats
 
     def _engine_receives(self, errors: list[BaseException]) -> None:
