@@ -21,7 +21,7 @@ import torch
 
 from hp_dcp_hf.errors import HPDCPHFError, SyncError, VerificationError
 from hp_dcp_hf.geometry.box import Box
-from hp_dcp_hf.sync.checksums import digest
+from hp_dcp_hf.sync.checksums import digest, tensor_bytes
 from hp_dcp_hf.sync.source import TensorMeta
 from hp_dcp_hf.sync.wire import PROTOCOL, Connection, box_from_json, box_json, dtype_from_name
 
@@ -94,7 +94,7 @@ class WeightReceiver:
             try:
                 connection.send({"kind": "ready", "update": update, "kept": kept, "verify": self.verify})
                 while True:
-                    header, payload = connection.receive()
+                    header = connection.receive_header()
                     if header.get("update") != update:
                         raise SyncError(f"{connection.peer} sent update {header.get('update')} during {update}")
                     if header.get("kind") == "done":
@@ -109,7 +109,7 @@ class WeightReceiver:
                             stats.bytes_received += connection.bytes_received
                         connection.bytes_received = 0
                         return
-                    self._store(header, payload, arrived, digests, stats, lock)
+                    self._store(connection, header, arrived, digests, stats, lock)
             except BaseException as error:
                 errors.append(error)
 
@@ -132,9 +132,10 @@ class WeightReceiver:
         self.stats = stats
         return {name: self.kept[name] for name in self.needs}
 
-    def _store(self, header, payload: bytearray, arrived, digests, stats: ReceiveStats, lock) -> None:
-        data = torch.frombuffer(payload, dtype=torch.uint8) if payload else torch.empty(0, dtype=torch.uint8)
-        offset = 0
+    def _store(self, connection: Connection, header, arrived, digests, stats: ReceiveStats, lock) -> None:
+        """Read a frame's pieces into the kept copy: straight into the tensor where the box is
+        contiguous in it (row ranges), else through one piece-sized buffer."""
+        total = 0
         for piece in header["pieces"]:
             name, box = piece["name"], box_from_json(piece["box"])
             meta = self.tensors.get(name)
@@ -143,17 +144,21 @@ class WeightReceiver:
             dtype = dtype_from_name(piece["dtype"])
             if dtype != meta.dtype:
                 raise SyncError(f"a trainer sent {dtype}, the tensor is {meta.dtype}", key=name)
-            nbytes = box.numel * dtype.itemsize
-            values = data[offset: offset + nbytes].view(dtype).reshape(box.sizes)
-            offset += nbytes
-            self.kept[name][box.slices()] = values
+            total += box.numel * dtype.itemsize
+            if total > int(header.get("nbytes", 0)):
+                raise SyncError(f"a frame's pieces describe more than the {header.get('nbytes')} bytes it carries")
+            target = self.kept[name][box.slices()]
+            if target.is_contiguous():
+                connection.read_into(tensor_bytes(target))
+            else:
+                target.copy_(torch.frombuffer(connection.read(target.nbytes), dtype=dtype).reshape(box.sizes))
             with lock:
                 arrived[name] += box.numel
                 stats.pieces_received += 1
                 if self.verify:
                     digests.append((name, box, piece.get("digest")))
-        if offset != len(payload):
-            raise SyncError(f"a frame's pieces describe {offset} bytes, it carries {len(payload)}")
+        if total != int(header.get("nbytes", 0)):
+            raise SyncError(f"a frame's pieces describe {total} bytes, it carries {header.get('nbytes')}")
 
     def _check_complete(self, arrived: Mapping[str, int]) -> SyncError | None:
         for name, boxes in self.needs.items():

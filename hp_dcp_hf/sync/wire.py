@@ -61,22 +61,32 @@ class Connection:
 
     def receive(self) -> tuple[dict[str, Any], bytearray]:
         """The next frame's header and payload."""
-        (length,) = _LENGTH.unpack(self._exactly(_LENGTH.size))
+        header = self.receive_header()
+        return header, self.read(int(header.get("nbytes", 0)))
+
+    def receive_header(self) -> dict[str, Any]:
+        """The next frame's header; its ``nbytes`` of payload are for :meth:`read` / :meth:`read_into`."""
+        (length,) = _LENGTH.unpack(self.read(_LENGTH.size, count=False))
         if length > _MAX_HEADER:
             raise SyncError(f"{self.peer} sent a header of {length} bytes: not this protocol")
         try:
-            header = json.loads(self._exactly(length))
+            header = json.loads(self.read(length, count=False))
         except ValueError as error:
             raise SyncError(f"{self.peer} sent a header that is not JSON: {error}") from error
         if not isinstance(header, dict):
             raise SyncError(f"{self.peer} sent a header that is not a JSON object")
-        payload = self._exactly(int(header.get("nbytes", 0)))
-        self.bytes_received += len(payload)
-        return header, payload
+        return header
 
-    def _exactly(self, n: int) -> bytearray:
+    def read(self, n: int, *, count: bool = True) -> bytearray:
+        """Exactly ``n`` bytes, in a new buffer."""
         buffer = bytearray(n)
-        view, got = memoryview(buffer), 0
+        self.read_into(memoryview(buffer), count=count)
+        return buffer
+
+    def read_into(self, view: memoryview, *, count: bool = True) -> None:
+        """Exactly ``len(view)`` bytes, straight into ``view`` (a tensor's own bytes: no copy)."""
+        n, got = view.nbytes, 0
+        view = view.cast("B")
         try:
             while got < n:
                 k = self.sock.recv_into(view[got:])
@@ -85,7 +95,8 @@ class Connection:
                 got += k
         except OSError as error:
             raise SyncError(f"receiving from {self.peer} failed: {_why(error)}") from error
-        return buffer
+        if count:
+            self.bytes_received += n
 
     def close(self) -> None:
         with contextlib.suppress(OSError):

@@ -111,8 +111,8 @@ def _workers(rendezvous: str, workers: int, results: list, corrupt: bool, die: b
             if corrupt:  # a byte flipped in the worker's kept copy after it arrives, before the check
                 store = receiver._store
 
-                def flipping(header, payload, *args):
-                    store(header, payload, *args)
+                def flipping(connection, header, *args):
+                    store(connection, header, *args)
                     first = header["pieces"][0]
                     region = receiver.kept[first["name"]][Box(*map(tuple, first["box"])).slices()]
                     region[(0,) * region.ndim] += 1
