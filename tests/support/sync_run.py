@@ -93,3 +93,20 @@ class Oracles:
     def seen(self, update: int):
         """The oracle of an update an earlier check computed."""
         return self._by_update[update][1]
+
+
+def check_update(llm, oracles: Oracles, update: int, files: Path, ranks: list[dict], initial):
+    """What every update of an in-process engine (tensor_parallel_size 1) must satisfy: no rank
+    failed; bytes sent by the ranks = bytes the worker received = bytes it needs; every effective
+    weight as the oracle's, bit for bit; the oracle's generations, which differ from ``initial``
+    (the engine's before any update). Returns the engine's snapshot and receiver for more checks."""
+    from tests.support.engine import differing, snapshot, transfer_engine
+
+    assert not [r for r in ranks if "error" in r], ranks
+    oracle = oracles(update, files)
+    receiver = transfer_engine(llm).receiver
+    assert sum(r["bytes_sent"] for r in ranks) == receiver.stats.bytes_received == receiver.needed_bytes
+    state = snapshot(llm)
+    assert differing(state.weights, oracle.weights) == [], update
+    assert state.generations == oracle.generations != initial
+    return state, receiver

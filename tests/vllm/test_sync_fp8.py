@@ -25,16 +25,13 @@ import torch
 
 from tests.support.engine import (
     ENGINE_CONFIG,
-    differing,
     generate,
     shutdown_engine,
-    snapshot,
     start_engine,
-    transfer_engine,
 )
 from tests.support.models import build_model, make_checkpoint
 from tests.support.rl_server import RLServer
-from tests.support.sync_run import Oracles, run_trainers
+from tests.support.sync_run import Oracles, check_update, run_trainers
 
 # Projections of whole 128 x 128 blocks (8 heads of 48: 384 rows), split inside blocks by TP 2.
 SIZES = {**ENGINE_CONFIG, "hidden_size": 256, "intermediate_size": 512, "head_dim": 48,
@@ -66,15 +63,9 @@ def test_fp8_updates_equal_a_fresh_engine_on_the_fp8_save(engine, tmp_path, layo
     llm = engine["llm"]
 
     def check(update, files, ranks):
-        assert not [r for r in ranks if "error" in r], ranks
-        oracle = engine["oracles"](update, files)
-        receiver = transfer_engine(llm).receiver
+        state, receiver = check_update(llm, engine["oracles"], update, files, ranks, engine["initial"])
         fp8 = [name for name, meta in receiver.tensors.items() if meta.dtype == torch.float8_e4m3fn]
         assert fp8 and all(receiver.kept[name].dtype == torch.float8_e4m3fn for name in fp8)
-        assert sum(r["bytes_sent"] for r in ranks) == receiver.stats.bytes_received == receiver.needed_bytes
-        state = snapshot(llm)
-        assert differing(state.weights, oracle.weights) == [], (layout, update)
-        assert state.generations == oracle.generations != engine["initial"]
         scales = [v for n, v in state.weights.items() if "scale" in n]
         assert scales and all(bool((v > 0).all()) for v in scales)
 
