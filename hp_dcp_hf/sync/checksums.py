@@ -32,12 +32,17 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy())
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float8_e4m3fn`` -> ``"float8_e4m3fn"``: a dtype as digests and the wire name it."""
+    return str(dtype).removeprefix("torch.")
+
+
 def digest(tensor: torch.Tensor) -> str:
     """The hex blake2b digest of ``tensor``'s bytes in row-major order, its dtype and shape with them
     (the same bytes read as another dtype or shape are another slice). Deterministic across
     processes and machines."""
     hasher = hashlib.blake2b(digest_size=DIGEST_BYTES)
-    hasher.update(f"{str(tensor.dtype).removeprefix('torch.')}{list(tensor.shape)}".encode())
+    hasher.update(f"{dtype_name(tensor.dtype)}{list(tensor.shape)}".encode())
     hasher.update(tensor_bytes(tensor))
     return hasher.hexdigest()
 

@@ -6,7 +6,8 @@ fills the needed boxes in place, from all trainer ranks at once (one thread per 
 boxes are disjoint). Only a complete update is handed on: a trainer rank that dies or breaks the
 protocol mid-update fails it with a :class:`~hp_dcp_hf.errors.SyncError` before the engine loads a
 byte, so the engine keeps serving its previous weights. A kept copy also lets a delta update send only
-what changed; it is marked lost when an update fails, and the next update is sent whole.
+what changed. A failed update closes the worker's connections: the next transfer (a new init) starts
+without a kept copy, and its first update is sent whole.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hp_dcp_hf.errors import HPDCPHFError, SyncError, VerificationError
-from hp_dcp_hf.geometry.box import Box
+from hp_dcp_hf.geometry.box import Box, disjoint_cover
 from hp_dcp_hf.sync.checksums import digest, tensor_bytes
 from hp_dcp_hf.sync.source import TensorMeta
 from hp_dcp_hf.sync.wire import PROTOCOL, Connection, box_from_json, box_json, dtype_from_name
@@ -60,8 +61,9 @@ class WeightReceiver:
         self.needs = {name: list(boxes) for name, boxes in needs.items() if boxes}
         self.worker = worker
         self.verify = verify
+        self.timeout_s = timeout_s
         self.kept: dict[str, torch.Tensor] = {}  # name -> full-shape buffer (needed boxes valid)
-        self._kept_valid = False
+        self._has_kept_copy = False  # a previous update of this receiver completed
         self.stats: ReceiveStats | None = None
         self._connections = [Connection.connect(tuple(address), f"trainer rank {rank}", timeout_s)
                              for rank, address in enumerate(trainers)]
@@ -77,39 +79,42 @@ class WeightReceiver:
 
     def receive(self, update: int) -> dict[str, torch.Tensor]:
         """Run update ``update``; return the worker's tensors (full shape; the needed boxes hold the
-        trainer's values, the rest is undefined), once every needed element has arrived."""
+        trainer's values, the rest is undefined), once every needed element has arrived exactly once."""
         start = time.perf_counter()
         for name in self.needs:
             if name not in self.kept:
                 meta = self.tensors[name]
                 self.kept[name] = torch.empty(meta.shape, dtype=meta.dtype)
-        kept, self._kept_valid = self._kept_valid, False
+        has_kept_copy, self._has_kept_copy = self._has_kept_copy, False
         stats = ReceiveStats(update)
-        arrived: dict[str, int] = dict.fromkeys(self.needs, 0)
-        digests: list[tuple[str, Box, str]] = []
+        arrived: dict[str, list[Box]] = {name: [] for name in self.needs}
         lock = threading.Lock()
         errors: list[BaseException] = []
+        finished: list[Connection] = []  # done sending; they hear a keepalive until the verdict
 
         def serve(rank: int, connection: Connection) -> None:
             try:
-                connection.send({"kind": "ready", "update": update, "kept": kept, "verify": self.verify})
+                connection.send({"kind": "ready", "update": update, "has_kept_copy": has_kept_copy,
+                                 "verify": self.verify})
                 while True:
                     header = connection.receive_header()
                     if header.get("update") != update:
                         raise SyncError(f"{connection.peer} sent update {header.get('update')} during {update}")
                     if header.get("kind") == "done":
-                        unchanged = [(name, box_from_json(box)) for name, box in header["unchanged"]]
-                        if unchanged and not kept:
+                        if header["unchanged"] and not has_kept_copy:
                             raise SyncError(f"{connection.peer} skipped unchanged pieces the worker does not keep")
+                        for name, box, code in header["unchanged"]:
+                            box = box_from_json(box)
+                            self._arrived(name, box, arrived, lock)
+                            self._verify(name, box, code)
                         with lock:
-                            for name, box in unchanged:
-                                arrived[name] = arrived.get(name, 0) + box.numel
-                            stats.pieces_unchanged += len(unchanged)
+                            stats.pieces_unchanged += len(header["unchanged"])
                             stats.bytes_per_trainer[rank] = connection.bytes_received
                             stats.bytes_received += connection.bytes_received
+                            finished.append(connection)
                         connection.bytes_received = 0
                         return
-                    self._store(connection, header, arrived, digests, stats, lock)
+                    self._store(connection, header, arrived, stats, lock)
             except BaseException as error:
                 errors.append(error)
 
@@ -117,30 +122,57 @@ class WeightReceiver:
                    for rank, c in enumerate(self._connections)]
         for thread in threads:
             thread.start()
-        for thread in threads:
-            thread.join()
+        self._keep_alive(update, threads, finished, lock)
         failure: BaseException | None = errors[0] if errors else None
         if failure is None:
-            failure = self._check_complete(arrived) or self._check_digests(digests)
+            failure = self._check_complete(arrived)
         if failure is not None:
             self._answer(update, failure)
             raise failure if isinstance(failure, HPDCPHFError) else SyncError(
                 f"engine worker {self.worker}, update {update}: {type(failure).__name__}: {failure}")
         self._answer(update, None)
-        self._kept_valid = True
+        self._has_kept_copy = True
         stats.seconds = time.perf_counter() - start
         self.stats = stats
         return {name: self.kept[name] for name in self.needs}
 
-    def _store(self, connection: Connection, header, arrived, digests, stats: ReceiveStats, lock) -> None:
+    def _keep_alive(self, update: int, threads: Sequence[threading.Thread], finished: list[Connection],
+                    lock: threading.Lock) -> None:
+        """Wait for every connection's part of the update; meanwhile tell the trainer ranks that are
+        done sending, every third of the deadline, that the worker is still at it (the slowest rank's
+        sends are not theirs to time out on)."""
+        for thread in threads:
+            while thread.is_alive():
+                thread.join(self.timeout_s / 3)
+                with lock:
+                    waiting = list(finished)
+                for connection in waiting if thread.is_alive() else ():
+                    with contextlib.suppress(SyncError):  # a gone rank is its own failure
+                        connection.send({"kind": "wait", "update": update})
+
+    def _arrived(self, name: str, box: Box, arrived: dict[str, list[Box]], lock: threading.Lock) -> None:
+        if not any(need.contains(box) for need in self.needs.get(name, ())):
+            raise SyncError(f"a trainer sent a box {box} this worker does not consume", key=name)
+        with lock:
+            arrived[name].append(box)
+
+    def _verify(self, name: str, box: Box, expected: str | None) -> None:
+        """The kept copy's bytes of ``box`` against the trainer's digest of them: catches bytes
+        changed on the wire or in the worker's buffers (verified as they arrive, in parallel)."""
+        if self.verify and (expected is None or digest(self.kept[name][box.slices()]) != expected):
+            raise VerificationError(f"engine worker {self.worker} holds other bytes for box offsets {box.offsets} "
+                                    f"sizes {box.sizes} than the trainer sent", key=name)
+
+    def _store(self, connection: Connection, header, arrived, stats: ReceiveStats, lock) -> None:
         """Read a frame's pieces into the kept copy: straight into the tensor where the box is
         contiguous in it (row ranges), else through one piece-sized buffer."""
         total = 0
         for piece in header["pieces"]:
             name, box = piece["name"], box_from_json(piece["box"])
             meta = self.tensors.get(name)
-            if meta is None or not any(need.contains(box) for need in self.needs.get(name, ())):
-                raise SyncError(f"a trainer sent a box {box} this worker does not consume", key=name)
+            if meta is None:
+                raise SyncError("a trainer sent a tensor this worker does not consume", key=name)
+            self._arrived(name, box, arrived, lock)
             dtype = dtype_from_name(piece["dtype"])
             if dtype != meta.dtype:
                 raise SyncError(f"a trainer sent {dtype}, the tensor is {meta.dtype}", key=name)
@@ -152,30 +184,23 @@ class WeightReceiver:
                 connection.read_into(tensor_bytes(target))
             else:
                 target.copy_(torch.frombuffer(connection.read(target.nbytes), dtype=dtype).reshape(box.sizes))
+            self._verify(name, box, piece.get("digest"))
             with lock:
-                arrived[name] += box.numel
                 stats.pieces_received += 1
-                if self.verify:
-                    digests.append((name, box, piece.get("digest")))
         if total != int(header.get("nbytes", 0)):
             raise SyncError(f"a frame's pieces describe {total} bytes, it carries {header.get('nbytes')}")
 
-    def _check_complete(self, arrived: Mapping[str, int]) -> SyncError | None:
-        for name, boxes in self.needs.items():
-            needed = sum(box.numel for box in boxes)
-            if arrived.get(name, 0) != needed:
-                return SyncError(f"engine worker {self.worker} received {arrived.get(name, 0)} of the {needed} "
-                                 "elements it needs (a trainer rank holds none of the rest, or sent some twice)",
-                                 key=name)
-        return None
-
-    def _check_digests(self, digests: Sequence[tuple[str, Box, str | None]]) -> VerificationError | None:
-        """The kept copy's bytes of every received box against the trainer's digest of them: catches
-        bytes changed on the wire or in the worker's buffers, and boxes stored in the wrong place."""
-        for name, box, expected in digests:
-            if expected is None or digest(self.kept[name][box.slices()]) != expected:
-                return VerificationError(f"engine worker {self.worker} holds other bytes for box offsets "
-                                         f"{box.offsets} sizes {box.sizes} than the trainer sent", key=name)
+    def _check_complete(self, arrived: Mapping[str, Sequence[Box]]) -> SyncError | None:
+        """Every needed box tiled exactly by what arrived (or stayed unchanged): nothing twice,
+        nothing left out."""
+        for name, needs in self.needs.items():
+            for need in needs:
+                inside = [box.relative_to(need.offsets) for box in arrived[name] if need.contains(box)]
+                if not disjoint_cover(inside, need.sizes):
+                    got = sum(box.numel for box in inside)
+                    return SyncError(f"engine worker {self.worker}: the pieces of box offsets {need.offsets} sizes "
+                                     f"{need.sizes} do not tile it ({got} of its {need.numel} elements arrived; "
+                                     "a trainer rank holds none of the rest, or some came twice)", key=name)
         return None
 
     def _answer(self, update: int, failure: BaseException | None) -> None:

@@ -15,6 +15,7 @@ closing frame, and waits for the worker's verdict. Workers are served concurrent
 
 from __future__ import annotations
 
+import math
 import socket
 import threading
 import time
@@ -56,15 +57,26 @@ class UpdateStats:
     seconds: float = 0.0
 
 
-def routes(source: HFWeightSource, needs: Mapping[str, Sequence[Box]]) -> list[Route]:
-    """This rank's slices cut against one worker's needs: what it sends that worker."""
+def routes(source: HFWeightSource, needs: Mapping[str, Sequence[Box]], bucket_bytes: int) -> list[Route]:
+    """This rank's slices cut against one worker's needs: what it sends that worker, in pieces of
+    at most ``bucket_bytes`` (row ranges; a single row larger than that travels whole)."""
     out = []
     for index, held in enumerate(source.slices()):
+        itemsize = source.meta(held.name).dtype.itemsize
         for box in needs.get(held.name, ()):
             part = held.box.intersect(box)
             if part is not None and not part.is_empty():
-                out.append(Route(index, held.name, part))
+                out.extend(Route(index, held.name, piece) for piece in _row_ranges(part, itemsize, bucket_bytes))
     return out
+
+
+def _row_ranges(box: Box, itemsize: int, bucket_bytes: int) -> list[Box]:
+    row_bytes = math.prod(box.sizes[1:]) * itemsize
+    rows = max(1, bucket_bytes // max(row_bytes, 1))
+    if not box.ndim or box.sizes[0] <= rows:
+        return [box]
+    return [Box((box.offsets[0] + start,) + box.offsets[1:], (min(rows, box.sizes[0] - start),) + box.sizes[1:])
+            for start in range(0, box.sizes[0], rows)]
 
 
 class WeightSender:
@@ -74,8 +86,8 @@ class WeightSender:
         source: this rank's slices of the checkpoint tensors.
         host: the address engine workers reach this rank at (it listens there, on a free port).
         timeout_s: the longest any peer may stay silent before the update fails with SyncError.
-        bucket_bytes: the most bytes of tensor data in one frame; the rank's extra memory is
-            about one bucket per worker served at once.
+        bucket_bytes: the most bytes of tensor data in one frame (pieces are cut to fit); the rank's
+            extra memory is about one bucket per worker served at once.
         delta: send only the pieces whose bytes changed since the last update the worker kept.
     """
 
@@ -92,7 +104,7 @@ class WeightSender:
         gathered = all_gather_bytes(own) if should_broadcast() else [own]
         self.addresses = [(a.decode().rsplit(":", 1)[0], int(a.decode().rsplit(":", 1)[1])) for a in gathered]
         self._workers: dict[int, tuple[Connection, list[Route]]] = {}
-        self._sent_digests: dict[int, list[str | None]] = {}  # worker -> per route, the digest it holds
+        self._last_digests: dict[int, list[str | None]] = {}  # worker -> per route, the digest it holds
         self.stats: UpdateStats | None = None
 
     def accept(self) -> None:
@@ -114,8 +126,8 @@ class WeightSender:
             connection.peer = f"engine worker {worker}"
             needs = {name: [box_from_json(b) for b in boxes] for name, boxes in hello["needs"].items()}
             self._check_needs(needs, connection.peer)
-            self._workers[worker] = connection, routes(self.source, needs)
-            self._sent_digests[worker] = [None] * len(self._workers[worker][1])
+            self._workers[worker] = connection, routes(self.source, needs, self.bucket_bytes)
+            self._last_digests[worker] = [None] * len(self._workers[worker][1])
 
     def _check_needs(self, needs: Mapping[str, Sequence[Box]], peer: str) -> None:
         known = {meta.name: meta for meta in self.source.metadata()}
@@ -131,7 +143,11 @@ class WeightSender:
         if not self._workers:
             raise SyncError(f"trainer rank {self.rank}: no engine worker is connected (accept() first)")
         start = time.perf_counter()
-        self.source.snapshot()
+        try:
+            self.source.snapshot()
+        except BaseException:
+            self.close()  # the workers hear at once that this rank is out, not at their deadline
+            raise
         stats = UpdateStats(update)
         errors: list[BaseException] = []
         lock = threading.Lock()
@@ -155,18 +171,19 @@ class WeightSender:
             ready, _ = connection.receive()
             if ready.get("kind") != "ready" or ready.get("update") != update:
                 raise SyncError(f"{connection.peer} expected update {ready.get('update')}, the trainer sends {update}")
-            kept = self._sent_digests[worker] if self.delta and ready.get("kept") else [None] * len(worker_routes)
-            sent = unchanged = 0
+            compare = self.delta and ready.get("has_kept_copy")
+            last = self._last_digests[worker]
+            digests: list[str | None] = []
+            unchanged: list[list[Any]] = []
             header: list[dict[str, Any]] = []
             payload: list[torch.Tensor] = []
             buffered = 0
-            digests: list[str | None] = []
             for position, route in enumerate(worker_routes):
-                values = self.source.read(route.index, route.box).contiguous()
+                values = self.source.read(route.index, route.box).contiguous().cpu()  # to the host once
                 code = digest(values) if self.delta or ready.get("verify") else None
                 digests.append(code)
-                if self.delta and code is not None and kept[position] == code:
-                    unchanged += 1
+                if compare and code is not None and last[position] == code:
+                    unchanged.append([route.name, box_json(route.box), code])
                     continue
                 if buffered and buffered + values.nbytes > self.bucket_bytes:
                     connection.send({"kind": "pieces", "update": update, "pieces": header}, payload)
@@ -175,24 +192,23 @@ class WeightSender:
                                "digest": code})
                 payload.append(values)
                 buffered += values.nbytes
-                sent += 1
             if header:
                 connection.send({"kind": "pieces", "update": update, "pieces": header}, payload)
-            connection.send({"kind": "done", "update": update, "pieces": sent, "unchanged": [
-                [route.name, box_json(route.box)] for route, code, old in zip(worker_routes, digests, kept)
-                if self.delta and code is not None and old == code]})
+            connection.send({"kind": "done", "update": update, "unchanged": unchanged})
             verdict, _ = connection.receive()
+            while verdict.get("kind") == "wait":  # the worker still receives from other ranks, or verifies
+                verdict, _ = connection.receive()
             if verdict.get("kind") != "ack" or verdict.get("update") != update:
                 raise SyncError(f"{connection.peer} answered {verdict.get('kind')!r} to update {update}")
             if not verdict.get("ok"):
                 cls = VerificationError if verdict.get("error_type") == "VerificationError" else SyncError
                 raise cls(str(verdict.get("reason")), key=verdict.get("key"))
-            self._sent_digests[worker] = digests
+            self._last_digests[worker] = digests
             with lock:
                 stats.bytes_per_worker[worker] = connection.bytes_sent
                 stats.bytes_sent += connection.bytes_sent
-                stats.pieces_sent += sent
-                stats.pieces_unchanged += unchanged
+                stats.pieces_sent += len(worker_routes) - len(unchanged)
+                stats.pieces_unchanged += len(unchanged)
             connection.bytes_sent = 0
         except BaseException as error:
             errors.append(error if isinstance(error, HPDCPHFError) else SyncError(

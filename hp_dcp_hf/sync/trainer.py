@@ -16,12 +16,10 @@ import threading
 import time
 from typing import Any, Protocol
 
-import torch.distributed as dist
-
 from hp_dcp_hf.errors import HPDCPHFError, SyncError
 from hp_dcp_hf.sync.sender import DEFAULT_BUCKET_BYTES, UpdateStats, WeightSender
 from hp_dcp_hf.sync.source import HFWeightSource
-from hp_dcp_hf.sync.wire import dtype_name
+from hp_dcp_hf.sync.wire import tensors_json
 from hp_dcp_hf.util.collectives import agree_on_failure, should_broadcast
 
 logger = logging.getLogger(__name__)
@@ -61,49 +59,69 @@ class TrainerWeightSync:
         self.is_sender = self.sender.rank == 0
         self.update = 0
         self.stats: UpdateStats | None = None
+        accepted: list[BaseException] = []
+        # Every rank accepts while rank 0 initializes the engine: a worker's hello (its needs) may not
+        # fit in a socket buffer, and would wait for an accept that waits for the init to return.
+        accepting = threading.Thread(target=self._accept, args=(accepted,), daemon=True)
+        accepting.start()
         error = None
         if self.is_sender:
-            try:  # the workers connect to every rank during this call; their hellos wait in the sockets
-                client.init_weight_transfer_engine({
-                    "trainers": self.sender.addresses,
-                    "tensors": [[m.name, dtype_name(m.dtype), list(m.shape)] for m in source.metadata()],
-                    "timeout_s": timeout_s, "verify": verify})
+            try:
+                client.init_weight_transfer_engine({"trainers": self.sender.addresses,
+                                                    "tensors": tensors_json(source.metadata()),
+                                                    "timeout_s": timeout_s, "verify": verify})
             except Exception as exc:
                 error = _engine_error("init_weight_transfer_engine", exc)
-        _raise_on_all(error)
-        self.sender.accept()
+        accepting.join()
+        _raise_on_all(error or (accepted[0] if accepted else None))
+
+    def _accept(self, errors: list[BaseException]) -> None:
+        try:
+            self.sender.accept()
+        except BaseException as error:
+            errors.append(error)
 
     def send_weights(self, weight_version: str | None = None) -> UpdateStats:
-        """One update, on every rank: rank 0 starts it, asks the engine to receive it, finishes it
-        and resets the engine's prefix cache (when the client has ``reset_prefix_cache``, as
-        :class:`~hp_dcp_hf.sync.client.HTTPEngineClient` and vLLM's ``LLM`` do), while every rank
-        sends its bytes. Returns this rank's figures."""
+        """One update, on every rank. Rank 0 starts it on the engine and asks the engine's workers to
+        receive it while every rank sends its bytes; once every rank has every worker's verdict, rank
+        0 has the engine load it on all workers (or drop it on all, after a failure anywhere),
+        finishes it and resets the engine's prefix cache (when the client has
+        ``reset_prefix_cache``, as :class:`~hp_dcp_hf.sync.client.HTTPEngineClient` and vLLM's
+        ``LLM`` do). Returns this rank's figures; raises on every rank when any part failed, and
+        then the engine serves its previous weights."""
         self.update += 1
         start = time.perf_counter()
-        control: list[BaseException] = []
-        thread = None
-        error: BaseException | None = None
-        try:
-            if self.is_sender:
+        started = None
+        if self.is_sender:
+            try:
                 self.client.start_weight_update()
-                thread = threading.Thread(target=self._engine_receives, args=(control,), daemon=True)
-                thread.start()
+            except Exception as exc:
+                started = _engine_error("start_weight_update", exc)
+        _raise_on_all(started)  # also lines the ranks up: no rank's deadline runs while rank 0 is late
+        receiving: list[BaseException] = []
+        thread = None
+        if self.is_sender:
+            thread = threading.Thread(target=self._call, args=("update_weights", {"update": self.update}, receiving),
+                                      daemon=True)
+            thread.start()
+        transfer: BaseException | None = None
+        try:
             self.stats = self.sender.send(self.update)
         except Exception as exc:
-            error = exc if isinstance(exc, HPDCPHFError) else _engine_error("start_weight_update", exc)
-        finally:
-            if thread is not None:
-                thread.join()
-        error = error or (control[0] if control else None)
-        if error is None and self.is_sender:
-            try:
-                self.client.finish_weight_update(weight_version)
-                reset = getattr(self.client, "reset_prefix_cache", None)
-                if reset is not None:  # KV the old weights computed must not answer new requests
-                    reset()
-            except Exception as exc:
-                error = _engine_error("finish_weight_update", exc)
-        _raise_on_all(error)
+            transfer = exc if isinstance(exc, HPDCPHFError) else SyncError(
+                f"trainer rank {self.sender.rank}: {type(exc).__name__}: {exc}")
+        if thread is not None:
+            thread.join()
+        outcome = _agree(transfer or (receiving[0] if receiving else None))
+        finished: list[BaseException] = []
+        if self.is_sender:  # the engine is never left mid-update: load on all workers or on none, then finish
+            self._call("update_weights", {"update": self.update, "commit": outcome is None}, finished)
+            self._call("finish_weight_update", weight_version, finished)
+            if outcome is None and not finished and hasattr(self.client, "reset_prefix_cache"):
+                self._call("reset_prefix_cache", None, finished)  # KV of the old weights must not answer
+        failure = outcome or _agree(finished[0] if finished else None)
+        if failure is not None:
+            raise failure
         assert self.stats is not None
         self.stats.seconds = time.perf_counter() - start
         if self.is_sender:
@@ -112,11 +130,12 @@ class TrainerWeightSync:
                         self.stats.pieces_unchanged, len(self.stats.bytes_per_worker), self.stats.seconds)
         return self.stats
 
-    def _engine_receives(self, errors: list[BaseException]) -> None:
+    def _call(self, method: str, argument: Any, errors: list[BaseException]) -> None:
+        """``client.method(argument)`` (no argument when None), its failure kept in ``errors``."""
         try:
-            self.client.update_weights({"update": self.update})
+            getattr(self.client, method)(*(() if argument is None else (argument,)))
         except Exception as exc:
-            errors.append(_engine_error("update_weights", exc))
+            errors.append(_engine_error(method, exc))
 
     def shutdown(self) -> None:
         self.sender.close()
@@ -126,9 +145,20 @@ def _engine_error(call: str, error: Exception) -> SyncError:
     return SyncError(f"the engine's {call} failed: {type(error).__name__}: {error}")
 
 
+def _agree(error: BaseException | None) -> BaseException | None:
+    """The first failing rank's error on every rank (rank 0's control-plane failures reach the
+    others), or None. A rank that is gone breaks the agreement itself: then this rank's own error,
+    or a SyncError saying so."""
+    if not should_broadcast():
+        return error
+    try:
+        return agree_on_failure(error)
+    except Exception as exc:
+        return error or SyncError(f"the trainer ranks cannot agree on the update (a rank is gone?): "
+                                  f"{type(exc).__name__}: {exc}")
+
+
 def _raise_on_all(error: BaseException | None) -> None:
-    """Every trainer rank raises when one did (rank 0's control-plane failures reach the others)."""
-    if should_broadcast() and dist.is_initialized():
-        error = agree_on_failure(error)
+    error = _agree(error)
     if error is not None:
         raise error

@@ -38,7 +38,7 @@ from hp_dcp_hf.geometry.shards import local_shard_pieces, local_tensor
 from hp_dcp_hf.storage import HFStorageReader
 from hp_dcp_hf.storage.format.catalog import QUANTIZATION_CONFIG, CheckpointTensor
 from hp_dcp_hf.storage.transport.stats import FileStats
-from hp_dcp_hf.sync.checksums import digest
+from hp_dcp_hf.sync.checksums import digest, dtype_name
 from hp_dcp_hf.sync.source import HFWeightSource
 from hp_dcp_hf.util.collectives import agree_on_failure, collective_device, should_broadcast
 from hp_dcp_hf.util.dcp import is_rank0
@@ -188,7 +188,7 @@ class _Comparison:
         others = f"; {len(self.differing) - 1} more of this rank's slices differ" if len(self.differing) > 1 else ""
         raise VerificationError(
             f"box at offsets {list(held.box.offsets)} of sizes {list(held.box.sizes)} holds other values in the "
-            f"model than in the checkpoint (compared as {str(dtype).removeprefix('torch.')}, the model's "
+            f"model than in the checkpoint (compared as {dtype_name(dtype)}, the model's "
             f"dtype){others}", file=_files(self.entries[held.name], held.box), key=held.name)
 
 

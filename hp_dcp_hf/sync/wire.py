@@ -12,6 +12,7 @@ import contextlib
 import json
 import socket
 import struct
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,7 +20,11 @@ import torch
 
 from hp_dcp_hf.errors import SyncError
 from hp_dcp_hf.geometry.box import Box
-from hp_dcp_hf.sync.checksums import tensor_bytes
+from hp_dcp_hf.sync.checksums import dtype_name, tensor_bytes
+from hp_dcp_hf.sync.source import TensorMeta
+
+__all__ = ["PROTOCOL", "Connection", "box_from_json", "box_json", "dtype_from_name", "dtype_name", "tensors_from_json",
+           "tensors_json"]
 
 PROTOCOL = 1
 _LENGTH = struct.Struct("<Q")
@@ -32,6 +37,7 @@ class Connection:
     def __init__(self, sock: socket.socket, peer: str, timeout_s: float) -> None:
         self.sock = sock
         self.peer = peer
+        self._sending = threading.Lock()  # frames are whole: a keepalive never lands inside another
         sock.settimeout(timeout_s)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.bytes_sent = 0
@@ -52,12 +58,13 @@ class Connection:
         header = {**header, "nbytes": sum(v.nbytes for v in views)}
         raw = json.dumps(header, separators=(",", ":")).encode()
         try:
-            self.sock.sendall(_LENGTH.pack(len(raw)) + raw)
-            for view in views:
-                self.sock.sendall(view)
+            with self._sending:
+                self.sock.sendall(_LENGTH.pack(len(raw)) + raw)
+                for view in views:
+                    self.sock.sendall(view)
+                self.bytes_sent += header["nbytes"]
         except OSError as error:  # timeouts included (socket.timeout is an OSError)
             raise SyncError(f"sending to {self.peer} failed: {_why(error)}") from error
-        self.bytes_sent += header["nbytes"]
 
     def receive(self) -> tuple[dict[str, Any], bytearray]:
         """The next frame's header and payload."""
@@ -104,7 +111,7 @@ class Connection:
 
 
 def _why(error: OSError) -> str:
-    if isinstance(error, TimeoutError | socket.timeout):
+    if isinstance(error, TimeoutError):  # socket.timeout is an alias
         return "no answer within the deadline (the peer is gone or stuck)"
     return f"{type(error).__name__}: {error}"
 
@@ -118,12 +125,17 @@ def box_from_json(value: Any) -> Box:
     return Box(tuple(int(o) for o in offsets), tuple(int(s) for s in sizes))
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def dtype_from_name(name: str) -> torch.dtype:
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
         raise SyncError(f"unknown dtype {name!r} on the wire")
     return dtype
+
+
+def tensors_json(tensors: Sequence[TensorMeta]) -> list[list[Any]]:
+    """The checkpoint tensors as the trainer describes them to the engine: ``[name, dtype, shape]``."""
+    return [[meta.name, dtype_name(meta.dtype), list(meta.shape)] for meta in tensors]
+
+
+def tensors_from_json(rows: Sequence[Sequence[Any]]) -> list[TensorMeta]:
+    return [TensorMeta(str(name), dtype_from_name(dtype), tuple(int(n) for n in shape)) for name, dtype, shape in rows]

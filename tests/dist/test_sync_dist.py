@@ -45,7 +45,7 @@ def _trainer(rank: int, world: int, path: str, model_type: str, case: str, rende
     from hp_dcp_hf.integrations.transformers import from_pretrained
     from hp_dcp_hf.sync.sender import WeightSender
     from hp_dcp_hf.sync.source import HFWeightSource
-    from hp_dcp_hf.sync.wire import dtype_name
+    from hp_dcp_hf.sync.wire import tensors_json
 
     transforms = ("fuse_qkv", "fuse_gate_up") if model_type == "llama" else ("grouped_gemm_experts",)
     model, _ = from_pretrained(path, dtype=torch.float32, transforms=transforms,
@@ -53,15 +53,14 @@ def _trainer(rank: int, world: int, path: str, model_type: str, case: str, rende
     source = HFWeightSource(model)
     sender = WeightSender(source, timeout_s=20, delta=delta, bucket_bytes=bucket_bytes)
     if rank == 0:
-        meta = {"trainers": sender.addresses,
-                "tensors": [[m.name, dtype_name(m.dtype), list(m.shape)] for m in source.metadata()]}
+        meta = {"trainers": sender.addresses, "tensors": tensors_json(source.metadata())}
         Path(rendezvous, "trainers.json.tmp").write_text(json.dumps(meta))
         os.replace(Path(rendezvous, "trainers.json.tmp"), Path(rendezvous, "trainers.json"))
     sender.accept()
     first = sender.send(1)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if CHANGED.replace("model.", "", 0) in name or CHANGED in name:
+            if CHANGED.removeprefix("model.") in name:  # the model's names: fused qkv_proj, o_proj
                 local_tensor(param).add_(1.0)
     if fail == "trainer" and rank == world - 1:
         os._exit(3)  # dies without a word: its sockets close with the process
@@ -72,7 +71,7 @@ def _trainer(rank: int, world: int, path: str, model_type: str, case: str, rende
             return {"error": str(error)}
         return {"error": None}
     second = sender.send(2)
-    held = sum(s.numel * 4 for s in source.slices())
+    held = source.held_bytes
     return {"first": first.bytes_sent, "second": second.bytes_sent, "held": held,
             "unchanged": second.pieces_unchanged}
 
@@ -93,7 +92,7 @@ def _needs(tensors: dict, workers: int, worker: int) -> dict[str, list[Box]]:
 def _workers(rendezvous: str, workers: int, results: list, corrupt: bool, die: bool) -> list[threading.Thread]:
     from hp_dcp_hf.sync.receiver import WeightReceiver
     from hp_dcp_hf.sync.source import TensorMeta
-    from hp_dcp_hf.sync.wire import dtype_from_name
+    from hp_dcp_hf.sync.wire import tensors_from_json
 
     def run(worker: int) -> None:
         try:
@@ -104,19 +103,20 @@ def _workers(rendezvous: str, workers: int, results: list, corrupt: bool, die: b
                     raise TimeoutError("the trainers never published their addresses")
                 time.sleep(0.05)
             meta = json.loads(path.read_text())
-            tensors = {n: (dtype_from_name(d), tuple(s)) for n, d, s in meta["tensors"]}
+            tensors = {m.name: (m.dtype, m.shape) for m in tensors_from_json(meta["tensors"])}
             receiver = WeightReceiver(
                 [tuple(a) for a in meta["trainers"]], [TensorMeta(n, d, s) for n, (d, s) in tensors.items()],
                 _needs(tensors, workers, worker), worker=worker, workers=workers, timeout_s=20, verify=True)
-            if corrupt:  # a byte flipped in the worker's kept copy after it arrives, before the check
-                store = receiver._store
+            if corrupt:  # one byte flipped on the way in (the wire, the worker's buffer), once
+                connection = receiver._connections[-1]
+                read_into, flipped = connection.read_into, []
 
-                def flipping(connection, header, *args):
-                    store(connection, header, *args)
-                    first = header["pieces"][0]
-                    region = receiver.kept[first["name"]][Box(*map(tuple, first["box"])).slices()]
-                    region[(0,) * region.ndim] += 1
-                receiver._store = flipping
+                def flipping(view, **kwargs):
+                    read_into(view, **kwargs)
+                    if not flipped and kwargs.get("count", True) and view.nbytes:
+                        view.cast("B")[0] ^= 0x40
+                        flipped.append(True)
+                connection.read_into = flipping
             got = []
             for update in (1, 2):
                 if die and update == 2:  # the worker's process dies: its connections close

@@ -33,18 +33,19 @@ def _wait(path: Path, proc: subprocess.Popen, timeout_s: float) -> bool:
 
 def run_trainers(url: str, checkpoint: Path, workdir: Path, world: int, args: Sequence[str],
                  check: Callable[[int, Path, list[dict]], None], *, updates: int = 2,
-                 timeout_s: float = 300.0) -> tuple[int, str]:
-    """Run ``world`` trainer ranks on ``checkpoint`` (``args``: more sync_trainer options) against
-    the engine at ``url``. After update K has been saved, ``check(K, saved_files, figures)`` runs
-    (figures: each rank's JSON) before the trainers go on. Returns how many updates were checked
-    and the trainers' log."""
+                 timeout_s: float = 300.0, torchrun_args: Sequence[str] = ()) -> tuple[int, str]:
+    """Run ``world`` trainer ranks on ``checkpoint`` (``args``: more sync_trainer options,
+    ``torchrun_args``: torchrun's) against the engine at ``url``. After update K has been saved,
+    ``check(K, saved_files, figures)`` runs (figures: each rank's JSON) before the trainers go on.
+    Returns how many updates were checked and the trainers' log; the figures of every update stay
+    in ``workdir / "trainer"``."""
     trainer_dir = workdir / "trainer"
     trainer_dir.mkdir(parents=True)
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     for name in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE"):
         env.pop(name, None)
     command = [TRAINER_PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
-               "--master-port", str(free_port()), "-m", "tests.support.sync_trainer",
+               "--master-port", str(free_port()), *torchrun_args, "-m", "tests.support.sync_trainer",
                "--checkpoint", str(checkpoint), "--engine", url, "--workdir", str(trainer_dir),
                "--updates", str(updates), *args]
     checked = 0
@@ -62,8 +63,12 @@ def run_trainers(url: str, checkpoint: Path, workdir: Path, world: int, args: Se
                 (trainer_dir / f"continue{update}").touch()
             proc.wait(timeout=120)
         finally:
-            if proc.poll() is None:
-                proc.kill()
+            if proc.poll() is None:  # torchrun stops its ranks (each in a session of its own) on SIGTERM
+                proc.terminate()
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
     return checked, log_path.read_text()
 
 
