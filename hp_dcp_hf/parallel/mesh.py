@@ -131,13 +131,17 @@ def mesh_spec(config: Any) -> dict[str, int]:
 def init_mesh(spec: str | Mapping[str, int], device_type: str = "cpu"):
     """The ``DeviceMesh`` of ``spec``'s dense dims over the default process group, for recipes of
     one's own (``parallelize=``); the size must match the process group. ``ep`` is not a mesh dim
-    of its own: pass ``distributed_config=`` to :func:`hp_dcp_hf.from_pretrained` for EP."""
+    of its own: pass ``distributed_config=`` to :func:`hp_dcp_hf.from_pretrained` for EP. A later
+    call with the same spec and device type returns the same mesh (its groups are made once)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
+
+    from hp_dcp_hf.util.groups import reused
 
     sizes = parse_mesh(spec)
     if "ep" in sizes:
         raise MeshSpecError(f"mesh spec {format_mesh(sizes)}: ep overlays dp x tp; use distributed_config(spec) "
                          "with from_pretrained for expert parallelism")
     check_world_size(sizes, dist.get_world_size() if dist.is_initialized() else 1)
-    return init_device_mesh(device_type, tuple(sizes.values()), mesh_dim_names=tuple(sizes))
+    return reused(("mesh", device_type, *sizes.items()),
+                  lambda: init_device_mesh(device_type, tuple(sizes.values()), mesh_dim_names=tuple(sizes)))

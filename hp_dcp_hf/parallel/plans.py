@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from hp_dcp_hf.errors import HPDCPHFError
 from hp_dcp_hf.parallel.mesh import check_world_size, distributed_config, mesh_spec
+from hp_dcp_hf.util.groups import reused
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +128,15 @@ def scalars_set_aside(model: nn.Module) -> Iterator[list[str]]:
             module._parameters[name] = param
 
 
+def _mesh_manager(cls: type, config: Any) -> Any:
+    """transformers' mesh manager for ``config``'s sizes (``prepare_distribute_model``'s), made once
+    per process and mesh shape and reused by every later call (:mod:`hp_dcp_hf.util.groups`);
+    ``None`` when every size is 1."""
+    shape = (config.pp_size, config.dp_replicate_size, config.fsdp_size, config.tp_size,
+             config.efsdp_size, config.ep_size)
+    return reused(("transformers mesh", *shape), lambda: cls.prepare_distribute_model(config)[2])
+
+
 class TransformersPlans:
     """``parallelize=`` with transformers' own plans for the model's class and a
     ``DistributedConfig`` (``tp_size``, ``ep_size``, ``fsdp_size``, ``dp_replicate_size`` and the
@@ -175,7 +185,7 @@ class TransformersPlans:
         if (self.config.pp_size or 1) > 1:
             raise ParallelizeError("pipeline parallelism (pp_size > 1) is not supported by this loader")
         check_world_size(self.sizes, dist.get_world_size() if dist.is_initialized() else 1)
-        config, _, mesh_manager = cls.prepare_distribute_model(self.config)
+        config, mesh_manager = self.config, _mesh_manager(cls, self.config)
         self.applied, self.unsharded, self.mesh_manager = [], [], mesh_manager
         if mesh_manager is None:
             self.applied.append("no parallelism: every size is 1")

@@ -51,6 +51,7 @@ from hp_dcp_hf.storage.write.destination import (
 )
 from hp_dcp_hf.storage.write.parts import Part, file_parts, part_size, rounds
 from hp_dcp_hf.util.collectives import agree_on_failure, should_broadcast
+from hp_dcp_hf.util.groups import gloo_group
 
 DEFAULT_PART_BYTES = 16 * 2**20
 """Part size: large enough for S3's per-request cost, small enough that a rank's memory stays near
@@ -82,7 +83,6 @@ class MultipartUploads(Destination):
         """Tensor bytes this rank sent to other ranks' parts (the network cost of the last save)."""
         self.bytes_uploaded = 0
         """Bytes of the parts this rank uploaded, headers included."""
-        self._gloo: Any = None
 
     # -- requests ---------------------------------------------------------------------------------
     def _call(self, what: str, name: str, **kwargs: Any) -> Any:
@@ -244,11 +244,7 @@ class MultipartUploads(Destination):
         """The CPU process group the parts' bytes travel on, this rank, the world size."""
         if not should_broadcast():
             return None, 0, 1
-        if "gloo" in str(dist.get_backend()):
-            return dist.group.WORLD, dist.get_rank(), dist.get_world_size()
-        if self._gloo is None:  # NCCL moves CUDA tensors only; every rank creates it, here
-            self._gloo = dist.new_group(backend="gloo")
-        return self._gloo, dist.get_rank(), dist.get_world_size()
+        return gloo_group(), dist.get_rank(), dist.get_world_size()
 
     def write(self, staged: Staged, files: Sequence[SavedFile], writes: Sequence[BoxWrite],
               staging_bytes: int, failure: BaseException | None = None, *,
