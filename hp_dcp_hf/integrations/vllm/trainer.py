@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import torch.distributed as dist
 from torch import nn
 from vllm.distributed.weight_transfer.base import (
     TrainerInitInfo,
@@ -47,6 +48,9 @@ class HFSyncTrainerEngine(TrainerWeightTransferEngine[HFSyncTrainerInitInfo]):
     @classmethod
     def trainer_init(cls, init_info: HFSyncTrainerInitInfo, *, client: VLLMWeightSyncClient,
                      source: Any = None) -> HFSyncTrainerEngine:
+        if dist.is_initialized() and init_info.rank != dist.get_rank():
+            raise ArgumentError(f"HFSyncTrainerInitInfo(rank={init_info.rank}) on default-group rank {dist.get_rank()}: "
+                                "the hp_dcp_hf backend runs on the trainer's default process group")
         if isinstance(source, nn.Module):
             source = HFWeightSource(source)
         if not isinstance(source, HFWeightSource):
