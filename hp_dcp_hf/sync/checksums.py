@@ -10,12 +10,8 @@ the wire. Pure: no ``torch.distributed``.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
-from dataclasses import dataclass
 
 import torch
-
-from hp_dcp_hf.geometry.box import Box
 
 DIGEST_BYTES = 16
 """blake2b digest length: 128 bits, far beyond any chance collision over a model's slices."""
@@ -45,37 +41,3 @@ def digest(tensor: torch.Tensor) -> str:
     hasher.update(f"{dtype_name(tensor.dtype)}{list(tensor.shape)}".encode())
     hasher.update(tensor_bytes(tensor))
     return hasher.hexdigest()
-
-
-@dataclass(frozen=True)
-class SliceDigest:
-    """The digest of box ``box`` of checkpoint tensor ``name``, as one side holds it."""
-
-    name: str
-    box: Box
-    digest: str
-
-
-@dataclass(frozen=True)
-class Mismatch:
-    """A slice whose two sides differ: ``expected`` is the reference side's digest (the checkpoint's,
-    the trainer's), ``actual`` the checked side's; either is None where that side lacks the slice."""
-
-    name: str
-    box: Box
-    expected: str | None
-    actual: str | None
-
-
-def mismatches(expected: Iterable[SliceDigest], actual: Iterable[SliceDigest]) -> list[Mismatch]:
-    """Every slice, keyed by ``(name, box)``, whose digests differ or which only one side has, in
-    ``expected``'s order (then ``actual``'s extras). The two sides must cut tensors into the same
-    boxes: a slice cut differently on the other side is two one-sided mismatches, never a match."""
-    theirs = {(d.name, d.box): d.digest for d in actual}
-    found = []
-    for ours in expected:
-        other = theirs.pop((ours.name, ours.box), None)
-        if other != ours.digest:
-            found.append(Mismatch(ours.name, ours.box, ours.digest, other))
-    found.extend(Mismatch(name, box, None, other) for (name, box), other in theirs.items())
-    return found
