@@ -97,7 +97,11 @@ class TrainerWeightSync:
                 self.client.start_weight_update()
             except Exception as exc:
                 started = _engine_error("start_weight_update", exc)
-        _raise_on_all(started)  # also lines the ranks up: no rank's deadline runs while rank 0 is late
+        failure = _agree(started)  # also lines the ranks up: no rank's deadline runs while rank 0 is late
+        if failure is not None:
+            if self.is_sender and started is None:  # the engine started the update: leave it finished
+                self._call("finish_weight_update", None, [])
+            raise failure
         receiving: list[BaseException] = []
         thread = None
         if self.is_sender:
