@@ -73,7 +73,8 @@ class BenchServer(RLServer):
         else:  # the RL routes, timed: where an update's engine time goes
             start = time.perf_counter()
             super().call(route, body)
-            self._run["route_seconds"][route] = time.perf_counter() - start
+            seconds = self._run["route_seconds"]  # update_weights comes twice: receive, then commit
+            seconds[route] = seconds.get(route, 0.0) + time.perf_counter() - start
 
     def _reload(self, path: Path, how: str) -> float:
         """Load the checkpoint at ``path`` into the running engine; its wall seconds."""
