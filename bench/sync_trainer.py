@@ -104,6 +104,9 @@ class GatheredSource:
     def metadata(self) -> list[TensorMeta]:
         return list(self._metadata)
 
+    def meta(self, name: str) -> TensorMeta:
+        return next(m for m in self._metadata if m.name == name)
+
     def slices(self) -> list[HeldSlice]:
         return [HeldSlice(m.name, Box.full(m.shape)) for m in self._metadata] if self._rank == 0 else []
 
