@@ -336,11 +336,16 @@ class HFSavePlanner(SavePlanner):
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
         """The strided view of the local shard holding ``write_item``'s box (the writer casts or
         quantizes it). The values of scales are the writer's, from the amax of what it writes."""
-        view = self._views.get(write_item.index)
+        view = self.local_view(write_item.index)
         if view is None:
             raise PlanningError("FP8 scales are computed by HFStorageWriter as it writes their weights",
                                 key=write_item.index.fqn)
         return view.view().detach()
+
+    def local_view(self, index: MetadataIndex) -> LocalView | None:
+        """The view of the local shard that holds write item ``index``'s box, once planned (None
+        for an FP8 scale: the writer computes its values)."""
+        return self._views.get(index)
 
     # -- planning -----------------------------------------------------------------------------
     def plan_writes(self, state_dict: Mapping[str, Any]) -> tuple[list[WriteItem], SaveRequest]:

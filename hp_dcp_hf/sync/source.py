@@ -106,7 +106,7 @@ class HFWeightSource:
         for item in items:
             chunk = item.tensor_data.chunk
             box = Box(tuple(int(o) for o in chunk.offsets), tuple(int(s) for s in chunk.sizes))
-            self._slices.append((HeldSlice(item.index.fqn, box), planner._views.get(item.index)))
+            self._slices.append((HeldSlice(item.index.fqn, box), planner.local_view(item.index)))
         self._quantized: dict[int, torch.Tensor] = {}  # FP8 and scale slices' values, by snapshot()
 
     def _wire_dtype(self, dtype: torch.dtype) -> torch.dtype:
@@ -140,11 +140,6 @@ class HFWeightSource:
 
     def meta(self, name: str) -> TensorMeta:
         return self._by_name[name]
-
-    def held_names(self) -> list[str]:
-        """The checkpoint tensors this rank holds a part of, in metadata order."""
-        held = {s.name for s, _ in self._slices}
-        return [m.name for m in self._metadata if m.name in held]
 
     def slices(self) -> list[HeldSlice]:
         """This rank's slices, in planning order."""

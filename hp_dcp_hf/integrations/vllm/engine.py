@@ -84,9 +84,7 @@ class HFSyncEngine(WeightTransferEngine[HFSyncInitInfo, HFSyncUpdateInfo]):
         tensors = tensors_from_json(init_info.tensors)
         group = get_world_group()
         needs = worker_needs(self.model, tensors, group.world_size)
-        if self.receiver is not None:
-            self.receiver.close()
-            self.receiver = None
+        self.shutdown()  # a transfer initialized before: its connections go
         self.receiver = WeightReceiver([tuple(a) for a in init_info.trainers], tensors, needs,
                                        worker=group.rank, workers=group.world_size,
                                        timeout_s=init_info.timeout_s, verify=init_info.verify)
