@@ -3,7 +3,7 @@ engine's control plane, with no import of the engine's code.
 
 The control plane is any object with vLLM's four weight-sync methods (its ``VLLMWeightSyncClient``
 protocol is structural): :class:`~hp_dcp_hf.sync.client.HTTPEngineClient` for a ``vllm serve``,
-vLLM's own clients, or an ``LLM`` in the same process. A trainer's environment need not have vLLM
+vLLM's own clients (``HTTPVLLMWeightSyncClient``, ``RayVLLMWeightSyncClient``). A trainer's environment need not have vLLM
 installed (trainers and engines often pin different transformers releases). Every trainer rank
 builds one and calls :meth:`send_weights`; rank 0 alone talks to the engine, every rank sends its
 own bytes straight to the engine workers that consume them. Nothing is gathered.
@@ -86,8 +86,7 @@ class TrainerWeightSync:
         receive it while every rank sends its bytes; once every rank has every worker's verdict, rank
         0 has the engine load it on all workers (or drop it on all, after a failure anywhere),
         finishes it and resets the engine's prefix cache (when the client has
-        ``reset_prefix_cache``, as :class:`~hp_dcp_hf.sync.client.HTTPEngineClient` and vLLM's
-        ``LLM`` do). Returns this rank's figures; raises on every rank when any part failed, and
+        ``reset_prefix_cache``, as :class:`~hp_dcp_hf.sync.client.HTTPEngineClient` does). Returns this rank's figures; raises on every rank when any part failed, and
         then the engine serves its previous weights."""
         self.update += 1
         start = time.perf_counter()
