@@ -40,7 +40,7 @@ import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -55,6 +55,9 @@ from hp_dcp_hf.model.skeleton import build_skeleton, checkpoint_mapping
 from hp_dcp_hf.storage import HFStorageReader
 from hp_dcp_hf.storage.transport.stats import FileStats
 from hp_dcp_hf.sync.verify import VerifyReport, verify_against_checkpoint
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["PretrainedLoadReport", "apply_transforms", "from_pretrained", "resolve_transform"]
 
@@ -96,6 +99,7 @@ def from_pretrained(
     dtype: DtypeSpec = AUTO,
     transforms: Sequence[Transform] = (),
     distributed_config: Any = None,
+    device_mesh: DeviceMesh | None = None,
     parallelize: Callable[[nn.Module], nn.Module | None] | None = None,
     loader: Loader = "dcp",
     strict: bool = True,
@@ -173,7 +177,7 @@ def from_pretrained(
         raise ValueError(f"pass reader= or reader options, not both (got {sorted(reader_options)})")
     # the adapter's store is the checkpoint's; its config is read before anything is built
     adapter_step = _read_adapter(adapter, is_trainable, reader_options.get("storage_options"))
-    parallelize = _parallelization(distributed_config, parallelize, adapter_step)
+    parallelize = _parallelization(distributed_config, device_mesh, parallelize, adapter_step)
     watch = _Stopwatch()
 
     reader = reader if reader is not None else HFStorageReader(path_or_repo, **reader_options)
@@ -267,17 +271,21 @@ def _read_adapter(adapter: str | os.PathLike | None, is_trainable: bool,
                         storage_options)
 
 
-def _parallelization(distributed_config: Any, parallelize: Callable[[nn.Module], nn.Module | None] | None,
+def _parallelization(distributed_config: Any, device_mesh: Any,
+                     parallelize: Callable[[nn.Module], nn.Module | None] | None,
                      adapter: _AdapterStep | None) -> Callable[[nn.Module], nn.Module | None] | None:
-    """``parallelize=`` as given, or transformers' plans for ``distributed_config=``, which add the
-    adapter between TP / EP and FSDP."""
-    if distributed_config is None:
+    """``parallelize=`` as given, or transformers' plans for ``distributed_config=`` and / or the
+    caller's ``device_mesh=``, which add the adapter between TP / EP and FSDP. The mesh is checked
+    here, before anything is read or built."""
+    if distributed_config is None and device_mesh is None:
         return parallelize
     if parallelize is not None:
-        raise ValueError("pass distributed_config= or parallelize=, not both")
+        given = "distributed_config=" if distributed_config is not None else "device_mesh="
+        raise ArgumentError(f"pass {given} or parallelize=, not both (a recipe shards on meshes of its own)")
     from hp_dcp_hf.parallel import TransformersPlans
 
-    return TransformersPlans(distributed_config, before_fsdp=adapter.add if adapter is not None else None)
+    return TransformersPlans(distributed_config, device_mesh=device_mesh,
+                             before_fsdp=adapter.add if adapter is not None else None)
 
 
 def _skeleton(path_or_repo: str, reader: HFStorageReader, config: Any, model_cls: type[nn.Module] | None,

@@ -9,6 +9,8 @@
 from hp_dcp_hf.parallel.mesh import (
     MESH_DIMS,
     MeshSizeError,
+    caller_mesh_dims,
+    check_caller_mesh,
     check_world_size,
     distributed_config,
     format_mesh,
@@ -18,7 +20,7 @@ from hp_dcp_hf.parallel.mesh import (
     parse_mesh,
 )
 
-_PLANS = ("ParallelizeError", "TransformersPlans", "Unsharded")
+_PLANS = ("CallerMesh", "ParallelizeError", "TransformersPlans", "Unsharded")
 
 
 def __getattr__(name: str):
@@ -31,11 +33,14 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
+    "CallerMesh",
     "MESH_DIMS",
     "MeshSizeError",
     "ParallelizeError",
     "TransformersPlans",
     "Unsharded",
+    "caller_mesh_dims",
+    "check_caller_mesh",
     "check_world_size",
     "distributed_config",
     "format_mesh",

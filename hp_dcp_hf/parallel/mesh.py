@@ -128,6 +128,59 @@ def mesh_spec(config: Any) -> dict[str, int]:
     return {dim: size for dim, size in sizes.items() if size > 1} or {"dp": 1}
 
 
+_CALLER_NAMES = {"dp_replicate": "dp_replicate", "dp": "dp", "fsdp": "dp", "tp": "tp"}
+"""The names a caller's ``DeviceMesh`` may give its dims (ours, and transformers' ``fsdp``) -> our dim."""
+
+
+def caller_mesh_dims(names: tuple[str, ...] | None, shape: tuple[int, ...]) -> dict[str, tuple[str | None, int]]:
+    """Our dims of a caller's ``DeviceMesh`` (its ``mesh_dim_names`` and ``shape``): ``{dim: (the
+    caller's name, size)}`` in :data:`MESH_DIMS` order, as transformers' ``device_mesh=`` reads one:
+    a 1-D mesh without names is the tensor parallel mesh, an N-D one names every dim
+    (``dp_replicate``, ``dp`` or transformers' ``fsdp``, ``tp``), outermost first.
+
+    Raises :class:`~hp_dcp_hf.errors.MeshSpecError` naming what is wrong: dims without names, an
+    unknown name, a dim named twice, dims out of order."""
+    if not names:
+        if len(shape) != 1:
+            raise MeshSpecError(f"device_mesh of shape {tuple(shape)} has no mesh_dim_names: name its dims "
+                                "(init_device_mesh(..., mesh_dim_names=(\"dp\", \"tp\")))")
+        return {"tp": (None, shape[0])}
+    unknown = [name for name in names if name not in _CALLER_NAMES]
+    if unknown:
+        named = ", ".join(f"{name!r}{_did_you_mean(name)}" for name in unknown)
+        raise MeshSpecError(f"device_mesh dims {tuple(names)}: unknown dim {named}; known: "
+                            f"{', '.join(_CALLER_NAMES)} (dp and fsdp are FSDP's sharding, dp_replicate HSDP's replicas)")
+    dims = [_CALLER_NAMES[name] for name in names]
+    twice = sorted({dim for dim in dims if dims.count(dim) > 1})
+    if twice:
+        raise MeshSpecError(f"device_mesh dims {tuple(names)} name {', '.join(twice)} twice")
+    order = [dim for dim in MESH_DIMS if dim in dims]
+    if dims != order:
+        expected = tuple(names[dims.index(dim)] for dim in order)
+        raise MeshSpecError(f"device_mesh dims {tuple(names)} are out of order: outermost first, {expected}")
+    return {dim: (name, size) for dim, name, size in zip(dims, names, shape, strict=True)}
+
+
+def check_caller_mesh(dims: Mapping[str, tuple[str | None, int]], spec: Mapping[str, int]) -> None:
+    """Raise :class:`~hp_dcp_hf.errors.MeshSpecError` when a caller's mesh (:func:`caller_mesh_dims`)
+    does not carry the mesh spec ``spec`` (a ``distributed_config``'s): every dense dim of the same
+    size, no ``ep`` (transformers' expert mesh groups ranks its own way, which the caller's mesh
+    has no groups for), and under HSDP a ``dp`` dim beside ``dp_replicate`` (FSDP2 replicates over
+    the first dim of a 2-D mesh and shards over the second)."""
+    if spec.get("ep", 1) > 1:
+        raise MeshSpecError(f"ep={spec['ep']} with device_mesh=: expert parallelism needs transformers' expert "
+                            "mesh; pass distributed_config= alone")
+    sizes = {dim: size for dim, (_, size) in dims.items()}
+    differ = [dim for dim in DENSE_DIMS if sizes.get(dim, 1) != spec.get(dim, 1)]
+    if differ:
+        got = ", ".join(f"{dim}={sizes.get(dim, 1)}" for dim in differ)
+        want = ", ".join(f"{dim}={spec.get(dim, 1)}" for dim in differ)
+        raise MeshSpecError(f"device_mesh has {got} where distributed_config asks {want}")
+    if spec.get("dp_replicate", 1) > 1 and "dp" not in dims:
+        raise MeshSpecError("device_mesh with dp_replicate needs a dp (or fsdp) dim beside it, of size 1 if need "
+                            "be: FSDP2 shards HSDP replicas over a 2-D (dp_replicate, dp) mesh")
+
+
 def init_mesh(spec: str | Mapping[str, int], device_type: str = "cpu"):
     """The ``DeviceMesh`` of ``spec``'s dense dims over the default process group, for recipes of
     one's own (``parallelize=``); the size must match the process group. ``ep`` is not a mesh dim

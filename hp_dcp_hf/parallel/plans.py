@@ -33,13 +33,19 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from hp_dcp_hf.errors import HPDCPHFError
-from hp_dcp_hf.parallel.mesh import check_world_size, distributed_config, mesh_spec
+from hp_dcp_hf.parallel.mesh import (
+    caller_mesh_dims,
+    check_caller_mesh,
+    check_world_size,
+    distributed_config,
+    mesh_spec,
+)
 from hp_dcp_hf.util.groups import reused
 
 logger = logging.getLogger(__name__)
 
-#: transformers' mesh dim names that shard along each of our dims.
-_SHARDING_MESH_DIMS = {"tp": ("tp",), "ep": ("ep",), "dp": ("fsdp", "efsdp")}
+#: the mesh dim names that shard along each of our dims: transformers', and a caller's mesh's ``dp``.
+_SHARDING_MESH_DIMS = {"tp": ("tp",), "ep": ("ep",), "dp": ("fsdp", "efsdp", "dp")}
 _HEAD_ATTRIBUTES = ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads")
 
 
@@ -137,6 +143,31 @@ def _mesh_manager(cls: type, config: Any) -> Any:
     return reused(("transformers mesh", *shape), lambda: cls.prepare_distribute_model(config)[2])
 
 
+#: transformers' mesh dim names -> ours (a caller's mesh is read in ours, :func:`caller_mesh_dims`).
+_TRANSFORMERS_DIMS = {"dp_replicate": "dp_replicate", "fsdp": "dp", "tp": "tp"}
+
+
+class CallerMesh:
+    """transformers' mesh manager (``TransformersDeviceMesh``) answered from the caller's
+    ``DeviceMesh``: ``get_mesh(dims)`` slices it by the caller's dim names, so no group is made
+    (a slice shares its parent's groups). A requested dim the mesh lacks is one of size 1
+    (:func:`check_caller_mesh` made sure) and is left out: transformers asks for
+    ``("pp", "fsdp", "tp")`` whatever the sizes."""
+
+    def __init__(self, mesh: Any) -> None:
+        self.mesh = mesh
+        self.dims = caller_mesh_dims(mesh.mesh_dim_names, tuple(mesh.shape))
+
+    def get_mesh(self, dims: str | tuple[str, ...]) -> Any:
+        dims = (dims,) if isinstance(dims, str) else tuple(dims)
+        ours = [_TRANSFORMERS_DIMS[dim] for dim in dims if _TRANSFORMERS_DIMS.get(dim) in self.dims]
+        if not ours:
+            raise ParallelizeError(f"the device_mesh has none of the dims {dims} (it has {tuple(self.dims)})")
+        if len(ours) == len(self.dims):
+            return self.mesh
+        return self.mesh[tuple(self.dims[dim][0] for dim in ours)]
+
+
 class TransformersPlans:
     """``parallelize=`` with transformers' own plans for the model's class and a
     ``DistributedConfig`` (``tp_size``, ``ep_size``, ``fsdp_size``, ``dp_replicate_size`` and the
@@ -149,15 +180,25 @@ class TransformersPlans:
     ``before_fsdp(model)``, when given, runs once on the model after TP and EP and before FSDP
     (also when no dim is sharded), and rewrites it in place: where a PEFT adapter is added, so that
     FSDP2 shards its tensors with the rest (:func:`hp_dcp_hf.from_pretrained`'s ``adapter=``).
+
+    ``device_mesh``, the caller's ``DeviceMesh``, is then the mesh every plan is applied on (no
+    group is made, :class:`CallerMesh`); ``config`` may be ``None`` with it (the sizes are the
+    mesh's) and must otherwise ask for the mesh's sizes (:func:`check_caller_mesh`).
     """
 
     def __init__(self, config: Any, *, warn: bool = True,
-                 before_fsdp: Callable[[nn.Module], None] | None = None) -> None:
+                 before_fsdp: Callable[[nn.Module], None] | None = None, device_mesh: Any = None) -> None:
+        caller = CallerMesh(device_mesh) if device_mesh is not None else None
+        if config is None and caller is not None:
+            config = {dim: size for dim, (_, size) in caller.dims.items()}
         if isinstance(config, str | Mapping):
             config = distributed_config(config)
+        if caller is not None:
+            check_caller_mesh(caller.dims, mesh_spec(config))
         self.config = config
         self.warn = warn
         self.before_fsdp = before_fsdp
+        self.caller_mesh = caller
         self.applied: list[str] = []
         self.unsharded: list[Unsharded] = []
         self.mesh_manager = None
@@ -185,7 +226,11 @@ class TransformersPlans:
         if (self.config.pp_size or 1) > 1:
             raise ParallelizeError("pipeline parallelism (pp_size > 1) is not supported by this loader")
         check_world_size(self.sizes, dist.get_world_size() if dist.is_initialized() else 1)
-        config, mesh_manager = self.config, _mesh_manager(cls, self.config)
+        config = self.config
+        if self.caller_mesh is None:
+            mesh_manager = _mesh_manager(cls, config)
+        else:  # none when every size is 1, as transformers answers then
+            mesh_manager = self.caller_mesh if config.tp_size * config.dp_size > 1 else None
         self.applied, self.unsharded, self.mesh_manager = [], [], mesh_manager
         if mesh_manager is None:
             self.applied.append("no parallelism: every size is 1")
@@ -315,7 +360,7 @@ class TransformersPlans:
         sharded: set[str] = set()
         for param in model.parameters():
             if isinstance(param, DTensor):
-                names = param.device_mesh.mesh_dim_names or ()
+                names = param.device_mesh.mesh_dim_names or ("tp",)  # a caller's unnamed mesh is TP's
                 sharded.update(n for n, p in zip(names, param.placements, strict=True) if isinstance(p, Shard))
         noted = {u.dim for u in self.unsharded if u.modules == ("*",)}
         for dim, size in self.sizes.items():

@@ -7,6 +7,14 @@ after the tenth call of each is the count after the first; before the groups wer
 ``from_pretrained`` added 18. The tenth model holds exactly the first's values.
 :func:`~hp_dcp_hf.parallel.init_mesh` answers the same spec with the same mesh, and a new one
 once the default group was destroyed and made again.
+
+With the caller's mesh (``from_pretrained(..., device_mesh=mesh)``, a 2-D ``("dp", "tp")`` mesh
+from ``init_device_mesh``) the package makes no group at all: ten calls leave the thread count the
+mesh left, the parameters are DTensors on the caller's groups, and their local shards and
+placements are those of transformers' own ``from_pretrained(distributed_config=...)`` on a mesh of
+the same shape, their values those of its single-process load. A 1-D mesh without names is the
+tensor parallel mesh, a named 1-D ``("dp",)`` one FSDP's; one that does not fit the
+``distributed_config`` is a ``MeshSpecError`` before anything is read.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from hp_dcp_hf.tools.launch import free_port, run_ranks
+from tests.support.models import load_reference
 
 CALLS = 10
 
@@ -94,3 +103,71 @@ def _meshes(rank: int, world: int, port: int) -> dict:
 def test_init_mesh_reused_until_the_default_group_changes():
     for result in run_ranks(2, _meshes, free_port()):
         assert result == {"same": True, "dims": ("dp", "tp"), "renewed": True, "total": 3}
+
+
+def _layout(model: torch.nn.Module) -> dict[str, tuple]:
+    """Each tensor's local shard, placements and mesh shape (plain tensors: the tensor)."""
+    return {k: (v.to_local(), tuple(map(str, v.placements)), tuple(v.device_mesh.shape)) if isinstance(v, DTensor)
+            else (v.detach().clone(), (), ()) for k, v in model.state_dict().items()}
+
+
+def _same_layout(got: dict[str, tuple], want: dict[str, tuple]) -> list[str]:
+    """Keys whose shard, placements or mesh shape differ (both sides hold the same keys)."""
+    assert set(got) == set(want), sorted(set(got) ^ set(want))
+    return sorted(k for k in want if got[k][1:] != want[k][1:] or not torch.equal(got[k][0], want[k][0]))
+
+
+def _caller_mesh(rank: int, world: int, path: str) -> dict:
+    import warnings
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import DistributedConfig, LlamaForCausalLM
+
+    from hp_dcp_hf.errors import MeshSpecError
+    from hp_dcp_hf.integrations.transformers import from_pretrained
+
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
+    counts = [_threads()]
+    for _ in range(CALLS):
+        model, report = from_pretrained(path, dtype=torch.float32, device_mesh=mesh)
+        counts.append(_threads())
+    tp_group = mesh.get_group("tp")
+    on_caller_groups = all(p.device_mesh.get_group("tp") is tp_group
+                           for p in model.parameters() if isinstance(p, DTensor))
+    sharded = sorted(k for k, p in model.named_parameters() if isinstance(p, DTensor))
+    mine = _layout(model)
+    try:
+        from_pretrained(path, dtype=torch.float32, device_mesh=mesh, distributed_config="dp=2")
+        refused = ""
+    except MeshSpecError as error:
+        refused = str(error)
+    # the references, which make groups of their own: after the counts
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        theirs = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                  distributed_config=DistributedConfig(tp_size=world))
+    tp_1d, _ = from_pretrained(path, dtype=torch.float32, device_mesh=init_device_mesh("cpu", (world,)))
+    fsdp_1d, _ = from_pretrained(path, dtype=torch.float32,
+                                 device_mesh=init_device_mesh("cpu", (world,), mesh_dim_names=("dp",)))
+    fsdp_own, _ = from_pretrained(path, dtype=torch.float32, distributed_config=f"dp={world}")
+    return {"counts": counts, "on_caller_groups": on_caller_groups, "sharded": sharded, "full": _full(model),
+            "layout": report.layout, "refused": refused,
+            "vs_transformers": _same_layout(mine, _layout(theirs)),
+            "tp_1d_vs_transformers": _same_layout(_layout(tp_1d), _layout(theirs)),
+            "fsdp_1d_vs_own_mesh": _same_layout(_layout(fsdp_1d), _layout(fsdp_own)),
+            "fsdp_1d_sharded": all(isinstance(p, DTensor) for p in fsdp_1d.parameters())}
+
+
+def test_the_callers_mesh_makes_no_groups_and_loads_as_transformers(llama_checkpoint):
+    reference = load_reference(llama_checkpoint.path, "llama", torch.float32)
+    for rank, result in enumerate(run_ranks(2, _caller_mesh, str(llama_checkpoint.path), timeout=300)):
+        print(f"rank {rank}: threads after the mesh {result['counts'][0]}, after {CALLS} calls {result['counts'][-1]}")
+        assert result["counts"] == [result["counts"][0]] * (CALLS + 1), (rank, result["counts"])
+        assert result["on_caller_groups"] and result["sharded"], rank
+        assert result["layout"] and result["layout"][0].startswith("tp=2"), result["layout"]
+        assert set(result["full"]) == set(reference)
+        assert not [k for k, v in result["full"].items() if not torch.equal(v, reference[k])], rank
+        assert result["vs_transformers"] == [], (rank, result["vs_transformers"])
+        assert result["tp_1d_vs_transformers"] == [], (rank, result["tp_1d_vs_transformers"])
+        assert result["fsdp_1d_vs_own_mesh"] == [] and result["fsdp_1d_sharded"], rank
+        assert "dp=1, tp=2" in result["refused"] and "dp=2, tp=1" in result["refused"], result["refused"]
