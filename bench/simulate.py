@@ -307,13 +307,11 @@ def sample_ranks(world: int, count: int) -> list[int]:
 def chunk_bytes() -> int:
     """The most bytes of one chunk a cooperative read's needs are cut to, and of one span request:
     :class:`~hp_dcp_hf.HFStorageReader`'s batch on a local store, with its default settings."""
-    import inspect
+    from hp_dcp_hf.storage.read.options import ALIGN, ReaderOptions
 
-    from hp_dcp_hf import HFStorageReader
-
-    defaults = inspect.signature(HFStorageReader.__init__).parameters
-    share = defaults["staging_bytes"].default // defaults["num_threads"].default
-    return share - share % 16  # the reader's _ALIGN
+    defaults = ReaderOptions()
+    share = defaults.staging_bytes // defaults.num_threads
+    return share - share % ALIGN
 
 
 def stored_table(ckpt: Checkpoint):

@@ -219,8 +219,8 @@ def test_a_sender_stops_at_the_first_span_not_read_yet():
     progress = ReadProgress()
     spans = {0: torch.arange(4, dtype=torch.uint8), 1: torch.arange(4, 8, dtype=torch.uint8)}
     moved = []
-    stream = Stream([Region(0, 1, 3), Region(1, 0, 2)], spans.__getitem__, lambda k, n: moved.append((k, n)),
-                    progress.ready)
+    stream = Stream([Region(0, 1, 3), Region(1, 0, 2)], lambda r: spans[r.key], lambda r: moved.append((r.key, r.nbytes)),
+                    lambda r: progress.ready(r.key))
     out = torch.zeros(8, dtype=torch.uint8)
     assert stream.take_into(out, 8) == 0  # span 0 not read
     progress.read(0)

@@ -302,9 +302,9 @@ def _overlap(rank: int, world: int) -> dict:
     moved: list[tuple[int, int]] = []
     progress = ReadProgress()
     regions = [Region(span, offset, 4) for span in (0, 1) for offset in (0, 4)]  # whole regions, 4 a round
-    sends = [Stream(regions, spans.__getitem__, lambda k, n: None, progress.ready) if p == peer else Stream([], None, None)
-             for p in range(world)]
-    receives = [Stream(regions, received.__getitem__, lambda k, n: moved.append((k, n))) if p == peer
+    sends = [Stream(regions, lambda r: spans[r.key], lambda r: None, lambda r: progress.ready(r.key)) if p == peer
+             else Stream([], None, None) for p in range(world)]
+    receives = [Stream(regions, lambda r: received[r.key], lambda r: moved.append((r.key, r.nbytes))) if p == peer
                 else Stream([], None, None) for p in range(world)]
     outcome = {}
     thread = threading.Thread(target=lambda: outcome.update(stats=exchange(sends, receives, 4, progress)))

@@ -232,8 +232,9 @@ def read_spans(
     load.seconds["spans"] = time.perf_counter() - began
     spans = _Spans(plan, owned, pending, window=max(4 * budget, 2 * int((plan.end - plan.start).max(initial=0))))
     progress = ReadProgress()
-    sends = [Stream(r, spans.buffer, spans.moved, progress.ready) for r in outgoing]
-    streams = [Stream(r, target.buffer, target.moved) for r in receives]
+    sends = [Stream(r, lambda g: spans.buffer(g.key), lambda g: spans.moved(g.key, g.nbytes),
+                    lambda g: progress.ready(g.key)) for r in outgoing]
+    streams = [Stream(r, lambda g: target.buffer(g.key), lambda g: target.moved(g.key, g.nbytes)) for r in receives]
     outcome: dict[str, Any] = {"stats": ExchangeStats()}
 
     def run_exchange() -> None:
