@@ -62,6 +62,7 @@ def _load(rank: int, world: int, paths: dict) -> dict:
                            "needed": report.plan.bytes_needed, "received": reader.exchange.bytes_received,
                            "sent": reader.exchange.bytes_sent,
                            "own": reader.spans.own_bytes if reader.spans else None,
+                           "relayed": reader.spans.relay_bytes if reader.spans else None,
                            "storage": reader.spans.storage_bytes if reader.spans else None,
                            "spans": len(reader.spans.plan) if reader.spans else None}
         out[name] = {"stats": stats, "same": all(torch.equal(states["never"][k], v) for k, v in states["always"].items()),
@@ -200,6 +201,8 @@ def test_each_needed_byte_is_read_once_and_the_values_are_the_direct_loads(run, 
     for s in shared:  # a rank receives exactly the bytes it needs and did not read itself
         assert s["received"] + s["own"] == s["needed"] and s["own"] <= s["storage"]
     assert sum(s["sent"] for s in shared) == sum(s["received"] for s in shared)
+    if "dp_replicate" in CASES[case][2]:  # replicas are twins: bytes of others' spans go down a chain of them
+        assert sum(s["relayed"] for s in shared) > 0
     if "span_bytes" in CASES[case][3]:
         assert all(s["storage"] > 0 for s in shared)  # small spans: every rank owns some
         assert all(s["spans"] >= 8 for s in shared)
