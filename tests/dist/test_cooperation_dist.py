@@ -333,3 +333,34 @@ def test_the_exchange_sends_what_is_read_while_reads_go_on_in_bounded_rounds():
         assert result["span0_first"], rank
         assert result["received"] == {0: [10 * peer] * 8, 1: [10 * peer + 1] * 8}
         assert result["bytes"] == 16 and result["rounds"] >= 4  # 4 bytes a round to the one peer
+
+
+def _four_replicas(rank: int, world: int, path: str) -> dict:
+    """HSDP with four replicas over ``tp=2``: chains of four twins (forwarded twice and more)."""
+    from hp_dcp_hf import HFStorageReader
+    from hp_dcp_hf.integrations.transformers import from_pretrained
+
+    states, out = {}, {}
+    for mode in ("never", "always"):
+        reader = HFStorageReader(path, cooperate=mode, span_bytes=4096)
+        model, report = from_pretrained(path, dtype=torch.float32, distributed_config="dp_replicate=4,tp=2",
+                                        reader=reader)
+        states[mode] = _full(model.state_dict())
+        out[mode] = {"read": reader.stats.total().bytes_read, "needed": report.plan.bytes_needed,
+                     "received": reader.exchange.bytes_received, "sent": reader.exchange.bytes_sent,
+                     "own": reader.spans.own_bytes if reader.spans else None,
+                     "relayed": reader.spans.relay_bytes if reader.spans else None}
+    out["same"] = all(torch.equal(states["never"][k], v) for k, v in states["always"].items())
+    return out
+
+
+def test_four_replicas_relay_down_their_chain_and_load_the_direct_values(tiny_checkpoints):
+    llama = tiny_checkpoints("llama", torch.bfloat16, intermediate_size=42)
+    results = run_ranks(8, _four_replicas, str(llama.path), timeout=400)
+    assert all(r["same"] for r in results)
+    shared = [r["always"] for r in results]
+    assert sum(s["read"] for s in shared) == _tensor_bytes(str(llama.path))  # each byte read once
+    for s in shared:
+        assert s["received"] + s["own"] == s["needed"]
+    assert sum(s["sent"] for s in shared) == sum(s["received"] for s in shared)
+    assert sum(s["relayed"] for s in shared) > 0
