@@ -307,13 +307,11 @@ def sample_ranks(world: int, count: int) -> list[int]:
 def chunk_bytes() -> int:
     """The most bytes of one chunk a cooperative read's needs are cut to, and of one span request:
     :class:`~hp_dcp_hf.HFStorageReader`'s batch on a local store, with its default settings."""
-    import inspect
+    from hp_dcp_hf.storage.read.options import ALIGN, ReaderOptions
 
-    from hp_dcp_hf import HFStorageReader
-
-    defaults = inspect.signature(HFStorageReader.__init__).parameters
-    share = defaults["staging_bytes"].default // defaults["num_threads"].default
-    return share - share % 16  # the reader's _ALIGN
+    defaults = ReaderOptions()
+    share = defaults.staging_bytes // defaults.num_threads
+    return share - share % ALIGN
 
 
 def stored_table(ckpt: Checkpoint):
@@ -370,8 +368,8 @@ def rank_spans(rank: int, mine: Any, encoded: Sequence[Any], tensors: Any, files
                nodes: Sequence[int]) -> tuple[Any, dict[str, float], int]:
     """What ``rank`` computes in a cooperative ``read_data`` once the needs are gathered (as
     :func:`~hp_dcp_hf.storage.read.span_reads.read_spans` does): decode the others' needs, build the
-    plan, route its own needs and every other rank's into its own spans, with collection paused as
-    ``read_data`` runs. The plan, the seconds of each step, and the bytes it sends."""
+    plan, route its own needs and (once per class of twins) the parts it sends each peer, with
+    collection paused as ``read_data`` runs. The plan, the seconds of each step, and the bytes it sends."""
     from hp_dcp_hf.util.perf import paused_gc
 
     with paused_gc():
@@ -381,6 +379,7 @@ def rank_spans(rank: int, mine: Any, encoded: Sequence[Any], tensors: Any, files
 def _rank_spans(rank: int, mine: Any, encoded: Sequence[Any], tensors: Any, files: Sequence[str],
                 nodes: Sequence[int]) -> tuple[Any, dict[str, float], int]:
     from hp_dcp_hf.storage.read.needs import decode_needs
+    from hp_dcp_hf.storage.read.span_reads import _sends
     from hp_dcp_hf.storage.read.spans import ClusterPlan
 
     t0 = time.perf_counter()
@@ -388,11 +387,10 @@ def _rank_spans(rank: int, mine: Any, encoded: Sequence[Any], tensors: Any, file
     t1 = time.perf_counter()
     plan = ClusterPlan.build(tensors, needs, files, nodes=nodes, gap=0)
     t2 = time.perf_counter()
-    plan.route(mine)
+    incoming = plan.route(mine)
     t3 = time.perf_counter()
-    owned, sent = plan.owned(rank), 0
-    for peer in set(plan.needing(owned).tolist()) - {rank}:
-        sent += plan.route(needs[peer], within=owned).nbytes
+    sends = _sends(plan, rank, needs, incoming, plan.owned(rank))
+    sent = sum(routed.nbytes for routed in sends if routed is not None)
     t4 = time.perf_counter()
     seconds = {"decode_s": t1 - t0, "build_s": t2 - t1, "route_own_s": t3 - t2, "route_others_s": t4 - t3}
     return plan, seconds, sent

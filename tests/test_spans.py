@@ -219,8 +219,8 @@ def test_a_sender_stops_at_the_first_span_not_read_yet():
     progress = ReadProgress()
     spans = {0: torch.arange(4, dtype=torch.uint8), 1: torch.arange(4, 8, dtype=torch.uint8)}
     moved = []
-    stream = Stream([Region(0, 1, 3), Region(1, 0, 2)], spans.__getitem__, lambda k, n: moved.append((k, n)),
-                    progress.ready)
+    stream = Stream([Region(0, 1, 3), Region(1, 0, 2)], lambda r: spans[r.key], lambda r: moved.append((r.key, r.nbytes)),
+                    lambda r: progress.ready(r.key))
     out = torch.zeros(8, dtype=torch.uint8)
     assert stream.take_into(out, 8) == 0  # span 0 not read
     progress.read(0)
@@ -237,3 +237,69 @@ def test_the_span_arithmetic_imports_neither_torch_nor_its_distributed_package()
             "print(sorted(m for m in ('torch', 'torch.distributed') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def _relayed(plan: ClusterPlan, needs_by_rank) -> None:
+    """Every rank receives each part of its route once, from its owner or from a twin that has it
+    (the chain of senders reaches the owner without a loop), and the sender's streams, derived
+    from the plan alone, are the receiver's."""
+    from hp_dcp_hf.storage.read.span_reads import _sends
+
+    routes = [plan.route(needs) for needs in needs_by_rank]
+    senders = [plan.senders(rank, routed) for rank, routed in enumerate(routes)]
+    for rank, routed in enumerate(routes):
+        twins = set(plan.members(rank).tolist())
+        for part in range(len(routed.start)):
+            at, seen = rank, set()
+            while at != routed.owner[part]:  # walk up the chain
+                assert at not in seen and at in twins
+                seen.add(at)
+                at = int(senders[at][part])
+        sent = _sends(plan, rank, needs_by_rank, routed, plan.owned(rank))
+        for peer, routed_peer in enumerate(routes):
+            mine = sent[peer]
+            theirs = routed_peer.select(senders[peer] == rank) if peer != rank else None
+            if mine is None or theirs is None:
+                assert theirs is None or theirs.nbytes == 0 or mine is not None
+                continue
+            for field in ("span", "file", "start", "end", "need", "offset"):
+                assert np.array_equal(getattr(mine, field), getattr(theirs, field)), field
+
+
+@settings(max_examples=100, deadline=None)
+@given(_cluster(), st.lists(st.integers(0, 4), min_size=1, max_size=6), st.integers(1, 3))
+def test_relayed_routes_give_every_rank_its_bytes_once_from_a_rank_that_has_them(cluster, copies, per_node):
+    """Ranks repeated (twins: replicas) on nodes of ``per_node`` ranks: see :func:`_relayed`."""
+    tensors, needs_by_rank, span_bytes = cluster
+    needs_by_rank = [needs_by_rank[i % len(needs_by_rank)] for i in copies]
+    nodes = [rank // per_node for rank in range(len(needs_by_rank))]
+    plan = ClusterPlan.build(tensors, needs_by_rank, FILES, nodes=nodes, span_bytes=span_bytes)
+    _relayed(plan, needs_by_rank)
+    shares = traffic(plan, needs_by_rank, request_bytes=32)
+    assert sum(t.sent for t in shares) == sum(t.received for t in shares)
+    for rank, (t, needs) in enumerate(zip(shares, needs_by_rank)):
+        routed = plan.route(needs)
+        assert t.received == routed.select(routed.owner != rank).nbytes
+
+
+def test_a_send_tree_keeps_the_busiest_of_1024_hsdp_ranks_within_twice_the_mean():
+    """8 replicas x 128 ranks, 8 ranks a node, shaped like DeepSeek-V3's HSDP: every replica shards
+    each matrix by rows over its 128 ranks, and every rank needs the whole of the small replicated
+    tensors (norms, a small share of the bytes)."""
+    shapes = [(4096, 1024)] * 8 + [(256,)] * 2
+    tensors = _layout(shapes)
+    needs_by_shard = [[Need(i, Box((s * 32, 0), (32, 1024))) if len(shape) == 2 else Need(i, Box((0,), shape))
+                       for i, shape in enumerate(shapes)] for s in range(128)]
+    for needs in needs_by_shard:
+        needs.sort(key=lambda n: (tensors[n.tensor].file, tensors[n.tensor].data_start))
+    needs_by_rank = [needs_by_shard[rank % 128] for rank in range(1024)]
+    plan = ClusterPlan.build(tensors, needs_by_rank, FILES, nodes=[rank // 8 for rank in range(1024)],
+                             span_bytes=4096)
+    assert len(set(plan.twins.tolist())) == 128
+    shares = traffic(plan, needs_by_rank, request_bytes=4096)
+    sent = np.array([t.sent for t in shares])
+    assert sent.max() <= 2 * sent.mean()
+    for rank in (0, 1, 129, 1023):  # each rank receives exactly what it needs and did not read
+        routed = plan.route(needs_by_rank[rank])
+        assert shares[rank].received == routed.select(routed.owner != rank).nbytes
+    assert sum(t.sent for t in shares) == sum(t.received for t in shares)

@@ -62,6 +62,7 @@ def _load(rank: int, world: int, paths: dict) -> dict:
                            "needed": report.plan.bytes_needed, "received": reader.exchange.bytes_received,
                            "sent": reader.exchange.bytes_sent,
                            "own": reader.spans.own_bytes if reader.spans else None,
+                           "relayed": reader.spans.relay_bytes if reader.spans else None,
                            "storage": reader.spans.storage_bytes if reader.spans else None,
                            "spans": len(reader.spans.plan) if reader.spans else None}
         out[name] = {"stats": stats, "same": all(torch.equal(states["never"][k], v) for k, v in states["always"].items()),
@@ -200,6 +201,8 @@ def test_each_needed_byte_is_read_once_and_the_values_are_the_direct_loads(run, 
     for s in shared:  # a rank receives exactly the bytes it needs and did not read itself
         assert s["received"] + s["own"] == s["needed"] and s["own"] <= s["storage"]
     assert sum(s["sent"] for s in shared) == sum(s["received"] for s in shared)
+    if "dp_replicate" in CASES[case][2]:  # replicas are twins: bytes of others' spans go down a chain of them
+        assert sum(s["relayed"] for s in shared) > 0
     if "span_bytes" in CASES[case][3]:
         assert all(s["storage"] > 0 for s in shared)  # small spans: every rank owns some
         assert all(s["spans"] >= 8 for s in shared)
@@ -302,9 +305,9 @@ def _overlap(rank: int, world: int) -> dict:
     moved: list[tuple[int, int]] = []
     progress = ReadProgress()
     regions = [Region(span, offset, 4) for span in (0, 1) for offset in (0, 4)]  # whole regions, 4 a round
-    sends = [Stream(regions, spans.__getitem__, lambda k, n: None, progress.ready) if p == peer else Stream([], None, None)
-             for p in range(world)]
-    receives = [Stream(regions, received.__getitem__, lambda k, n: moved.append((k, n))) if p == peer
+    sends = [Stream(regions, lambda r: spans[r.key], lambda r: None, lambda r: progress.ready(r.key)) if p == peer
+             else Stream([], None, None) for p in range(world)]
+    receives = [Stream(regions, lambda r: received[r.key], lambda r: moved.append((r.key, r.nbytes))) if p == peer
                 else Stream([], None, None) for p in range(world)]
     outcome = {}
     thread = threading.Thread(target=lambda: outcome.update(stats=exchange(sends, receives, 4, progress)))
@@ -330,3 +333,34 @@ def test_the_exchange_sends_what_is_read_while_reads_go_on_in_bounded_rounds():
         assert result["span0_first"], rank
         assert result["received"] == {0: [10 * peer] * 8, 1: [10 * peer + 1] * 8}
         assert result["bytes"] == 16 and result["rounds"] >= 4  # 4 bytes a round to the one peer
+
+
+def _four_replicas(rank: int, world: int, path: str) -> dict:
+    """HSDP with four replicas over ``tp=2``: chains of four twins (forwarded twice and more)."""
+    from hp_dcp_hf import HFStorageReader
+    from hp_dcp_hf.integrations.transformers import from_pretrained
+
+    states, out = {}, {}
+    for mode in ("never", "always"):
+        reader = HFStorageReader(path, cooperate=mode, span_bytes=4096)
+        model, report = from_pretrained(path, dtype=torch.float32, distributed_config="dp_replicate=4,tp=2",
+                                        reader=reader)
+        states[mode] = _full(model.state_dict())
+        out[mode] = {"read": reader.stats.total().bytes_read, "needed": report.plan.bytes_needed,
+                     "received": reader.exchange.bytes_received, "sent": reader.exchange.bytes_sent,
+                     "own": reader.spans.own_bytes if reader.spans else None,
+                     "relayed": reader.spans.relay_bytes if reader.spans else None}
+    out["same"] = all(torch.equal(states["never"][k], v) for k, v in states["always"].items())
+    return out
+
+
+def test_four_replicas_relay_down_their_chain_and_load_the_direct_values(tiny_checkpoints):
+    llama = tiny_checkpoints("llama", torch.bfloat16, intermediate_size=42)
+    results = run_ranks(8, _four_replicas, str(llama.path), timeout=400)
+    assert all(r["same"] for r in results)
+    shared = [r["always"] for r in results]
+    assert sum(s["read"] for s in shared) == _tensor_bytes(str(llama.path))  # each byte read once
+    for s in shared:
+        assert s["received"] + s["own"] == s["needed"]
+    assert sum(s["sent"] for s in shared) == sum(s["received"] for s in shared)
+    assert sum(s["relayed"] for s in shared) > 0

@@ -1,12 +1,13 @@
 """The exchange of a cooperative load: owners send every rank the raw bytes it needs from their spans.
 
-Each (sender, receiver) pair has one stream: a list of regions, on the sender in its span buffers,
-on the receiver in its chunk buffers, both in the order :meth:`ClusterPlan.route` gives. The bytes
+Each (sender, receiver) pair has one stream: a list of regions, on the sender in its span buffers
+(or, forwarding bytes to a twin, in its own chunk buffers), on the receiver in its chunk buffers,
+both in the order :meth:`ClusterPlan.route` gives. The bytes
 travel in rounds of ``all_to_all`` on the default group (counts with a failure flag, then data);
 a rank sends each peer at most ``chunk`` bytes a round, so with ``chunk`` = budget / (2 x the
 largest number of peers any rank has) no rank sends or receives more than the budget a round.
-A sender's stream stops at the first region whose span is not read yet, and goes on while the
-reads run; a failure anywhere (a read, the exchange) stops every rank at the same round.
+A sender's stream stops at the first region not ready yet (its span not read, or, forwarded, its
+bytes not arrived), and goes on while the reads and the other streams run; a failure anywhere (a read, the exchange) stops every rank at the same round.
 """
 
 from __future__ import annotations
@@ -27,13 +28,17 @@ from hp_dcp_hf.util.collectives import collective_device
 class Region:
     """Bytes of buffer ``key`` (a span on the sender, a need on the receiver): ``[offset, offset +
     nbytes)``, or with ``rows > 1`` that many runs of ``nbytes / rows`` bytes, ``stride`` apart
-    (a block of rows of a row-sharded box, in a span's bytes)."""
+    (a block of rows of a row-sharded box, in a span's bytes). ``span``: the span the bytes are
+    in, where ``key`` is a need; ``relay``: on a sender, ``key`` is its own need (bytes it
+    received and forwards), not a span."""
 
     key: int
     offset: int
     nbytes: int
     rows: int = 1
     stride: int = 0
+    span: int = -1
+    relay: bool = False
 
     def view(self, buffer: torch.Tensor) -> torch.Tensor:
         """The region's bytes in ``buffer`` (flat uint8), as ``(rows, nbytes / rows)``."""
@@ -74,16 +79,16 @@ class ReadProgress:
 
 class Stream:
     """Consecutive regions walked a whole region at a time (both ends cut a stream at the same
-    region borders, so none is ever split). ``buffer(key)`` gives a region's buffer (flat uint8);
-    ``ready(key)`` whether a sender may take it yet; ``moved(key, nbytes)`` is told of every region
+    region borders, so none is ever split). ``buffer(region)`` gives a region's buffer (flat uint8);
+    ``ready(region)`` whether a sender may take it yet; ``moved(region)`` is told of every region
     copied (the receiver finishes needs with it, the sender frees spans)."""
 
     def __init__(
         self,
         regions: Sequence[Region],
-        buffer: Callable[[int], torch.Tensor],
-        moved: Callable[[int, int], None],
-        ready: Callable[[int], bool] | None = None,
+        buffer: Callable[[Region], torch.Tensor],
+        moved: Callable[[Region], None],
+        ready: Callable[[Region], bool] | None = None,
     ) -> None:
         self.regions = [r for r in regions if r.nbytes]
         self.buffer, self.moved, self.ready = buffer, moved, ready
@@ -95,17 +100,22 @@ class Stream:
     def finished(self) -> bool:
         return self.done == self.total
 
+    @property
+    def waits_on_a_span(self) -> bool:
+        """Whether the next region is of a span (not bytes to forward)."""
+        return self._index < len(self.regions) and not self.regions[self._index].relay
+
     def take_into(self, out: torch.Tensor, nbytes: int) -> int:
         """Copy the next ready regions, as many as fit in ``nbytes``, into ``out``; how many bytes."""
         position = 0
         while self._index < len(self.regions):
             region = self.regions[self._index]
-            if position + region.nbytes > nbytes or (self.ready is not None and not self.ready(region.key)):
+            if position + region.nbytes > nbytes or (self.ready is not None and not self.ready(region)):
                 break
-            out[position : position + region.nbytes].view(region.rows, -1).copy_(region.view(self.buffer(region.key)))
+            out[position : position + region.nbytes].view(region.rows, -1).copy_(region.view(self.buffer(region)))
             position += region.nbytes
             self._index += 1
-            self.moved(region.key, region.nbytes)
+            self.moved(region)
         self.done += position
         return position
 
@@ -119,10 +129,10 @@ class Stream:
             region = self.regions[self._index]
             if position + region.nbytes > data.numel():
                 raise StorageReadError("a region arrived cut: the ranks planned differently")
-            region.view(self.buffer(region.key)).copy_(data[position : position + region.nbytes].view(region.rows, -1))
+            region.view(self.buffer(region)).copy_(data[position : position + region.nbytes].view(region.rows, -1))
             position += region.nbytes
             self._index += 1
-            self.moved(region.key, region.nbytes)
+            self.moved(region)
         self.done += position
 
 
@@ -169,7 +179,7 @@ def exchange(sends: Sequence[Stream], receives: Sequence[Stream], chunk: int, pr
                 for peer, stream in enumerate(sends):
                     sizes[peer] = stream.take_into(staged[position:], chunk) if stream.total else 0
                     position += sizes[peer]
-                if done and not any(sizes) and not all(s.finished for s in sends):
+                if done and not any(sizes) and any(s.waits_on_a_span for s in sends):
                     raise StorageReadError("the reads ended without reading every span this rank sends")
                 if send_buffer is not staged:  # NCCL moves device tensors only
                     send_buffer = _at_least(send_buffer, position)
@@ -177,7 +187,8 @@ def exchange(sends: Sequence[Stream], receives: Sequence[Stream], chunk: int, pr
             except Exception as e:  # noqa: BLE001 - every rank learns of it with the counts
                 error, sizes = typed(e), [0] * world
         more = error is None and not all(s.finished for s in sends)
-        counts = torch.tensor([[n, error is not None, more] for n in sizes], dtype=torch.int64, device=device)
+        flags = [error is not None, more, not any(sizes), done]  # failed, more to send, idle, reads over
+        counts = torch.tensor([[n, *flags] for n in sizes], dtype=torch.int64, device=device)
         got = torch.empty_like(counts)
         _collective(dist.all_to_all_single, got, counts)
         if bool(got[:, 1].any()):  # the failing rank raises its error; the caller agrees on it
@@ -197,6 +208,13 @@ def exchange(sends: Sequence[Stream], receives: Sequence[Stream], chunk: int, pr
                 error = error or typed(e, f"the bytes from rank {peer} did not fit: ")
             position += nbytes
             stats.bytes_received += nbytes
+        more, quiet, over = got[:, 2].bool(), got[:, 3].bool(), got[:, 4].bool()
+        if bool(more.any()) and bool(quiet.all()) and bool((over | ~more).all()):
+            # nobody sent a byte, and every rank with more to send has read its spans: it waits for
+            # bytes to forward that no rank will send (every rank sees it at this round)
+            error = error or StorageReadError("the streams stalled, every rank waiting for bytes to forward: "
+                                              "the ranks planned differently")
+            break
         if not bool(got[:, 2].any()):  # nobody has more to send
             short = [peer for peer, s in enumerate(receives) if not s.finished]
             if short and error is None:

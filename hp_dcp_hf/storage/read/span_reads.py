@@ -11,6 +11,7 @@ the receiving rank as in a direct read, when a chunk's bytes are all in.
 
 from __future__ import annotations
 
+import bisect
 import threading
 import time
 import zlib
@@ -30,7 +31,7 @@ from hp_dcp_hf.storage.format.header import TensorEntry
 from hp_dcp_hf.storage.read.copy import copy_into
 from hp_dcp_hf.storage.read.exchange import ExchangeStats, ReadProgress, Region, Stream, exchange
 from hp_dcp_hf.storage.read.needs import Need, Needs, StoredTensor, Tensors, decode_needs, encode_needs
-from hp_dcp_hf.storage.read.routing import Run, runs
+from hp_dcp_hf.storage.read.routing import Routed, Run, runs
 from hp_dcp_hf.storage.read.spans import ClusterPlan
 from hp_dcp_hf.storage.transport.location import CheckpointLocation
 from hp_dcp_hf.storage.transport.stats import ReadStats
@@ -90,6 +91,7 @@ class SpanLoad:
     plan: ClusterPlan
     storage_bytes: int = 0  # read from storage by this rank
     own_bytes: int = 0  # of this rank's needs, the bytes inside its own spans (not received)
+    relay_bytes: int = 0  # sent to twins from this rank's own needs (bytes of others' spans it received)
     exchange: ExchangeStats = field(default_factory=ExchangeStats)
     seconds: dict[str, float] = field(default_factory=dict)  # "spans": gather and plan; "exchange": after the reads
 
@@ -97,12 +99,14 @@ class SpanLoad:
 class _Needs:
     """This rank's chunks as the exchange fills them: each chunk's bytes land in its destination
     when it takes them as stored, else in a staging buffer made on first arrival; once a chunk's
-    bytes are all in, its values go to the destination and ``finished(chunk)`` is called."""
+    bytes are all in, and those it forwards to twins (``relays``: need -> bytes) all sent, its values
+    go to the destination and ``finished(chunk)`` is called."""
 
-    def __init__(self, chunks: Sequence[Any], finished: Callable[[int], None]) -> None:
+    def __init__(self, chunks: Sequence[Any], finished: Callable[[int], None], relays: dict[int, int]) -> None:
         self._chunks, self._finished = chunks, finished
         self._lock = threading.Lock()
-        self._remaining = [chunk.nbytes for chunk in chunks]
+        self._remaining = [chunk.nbytes + relays.get(i, 0) for i, chunk in enumerate(chunks)]
+        self._arrived: dict[int, tuple[list[int], list[int]]] = {i: ([], []) for i in relays}
         self._buffers: dict[int, torch.Tensor] = {
             i: chunk.dest.reshape(-1).view(torch.uint8) for i, chunk in enumerate(chunks) if chunk.direct}
 
@@ -113,7 +117,28 @@ class _Needs:
                 buffer = self._buffers[index] = torch.empty(self._chunks[index].nbytes, dtype=torch.uint8)
             return buffer
 
+    def received(self, region: Region) -> None:
+        """``region``'s bytes arrived from a peer (noted where they are forwarded)."""
+        arrived = self._arrived.get(region.key)
+        if arrived is not None:
+            lo, hi = region.offset, region.offset + region.nbytes
+            with self._lock:  # merged into the need's sorted, disjoint arrived ranges
+                starts, ends = arrived
+                i, j = bisect.bisect_left(ends, lo), bisect.bisect_right(starts, hi)
+                if i < j:
+                    lo, hi = min(lo, starts[i]), max(hi, ends[j - 1])
+                starts[i:j], ends[i:j] = [lo], [hi]
+        self.moved(region.key, region.nbytes)
+
+    def arrived(self, region: Region) -> bool:
+        """Whether every byte of ``region`` (to forward) is here."""
+        with self._lock:
+            starts, ends = self._arrived[region.key]
+            i = bisect.bisect_right(starts, region.offset) - 1
+            return i >= 0 and ends[i] >= region.offset + region.nbytes
+
     def moved(self, index: int, nbytes: int) -> None:
+        """``nbytes`` of need ``index`` arrived, or were forwarded."""
         with self._lock:
             self._remaining[index] -= nbytes
             if self._remaining[index]:
@@ -206,12 +231,11 @@ def read_spans(
     load = SpanLoad(plan, plan.bytes_read(rank))
 
     incoming = plan.route(mine)
-    own = incoming.select(incoming.owner == rank)
+    senders = plan.senders(rank, incoming)
+    own = incoming.select(senders == rank)  # this rank's own spans
     load.own_bytes = own.nbytes
-    target = _Needs(chunks, finished)
-    from_peers = [incoming.select(incoming.owner == peer) if peer != rank else None for peer in range(world)]
-    needing = set(plan.needing(owned).tolist()) - {rank}  # the peers worth routing
-    to_peers = [plan.route(needs[peer], within=owned) if peer in needing else None for peer in range(world)]
+    from_peers = [incoming.select(senders == peer) if peer != rank else None for peer in range(world)]
+    to_peers = _sends(plan, rank, needs, incoming, owned)
     # Every rank sends each peer at most `chunk` bytes a round: the budget over twice the most peers
     # any rank sends to or receives from, so no rank moves more than the budget a round.
     degree = max(sum(1 for r in to_peers if r is not None and r.nbytes),
@@ -219,21 +243,36 @@ def read_spans(
     most = torch.tensor([degree], dtype=torch.int64, device=collective_device())
     dist.all_reduce(most, op=dist.ReduceOp.MAX)
     chunk = max(1, budget // (2 * max(1, int(most.item()))))
-    receives = [[Region(r.need, r.offset, r.nbytes) for r in runs(routed, chunk)] if routed is not None else []
-                for routed in from_peers]
-    outgoing = [[_in_span(plan, r) for r in runs(routed, chunk)] if routed is not None else [] for routed in to_peers]
+    receives = [[Region(r.need, r.offset, r.nbytes, span=r.span) for r in runs(routed, chunk)]
+                if routed is not None else [] for routed in from_peers]
+    outgoing = [[_in_span(plan, r) if plan.owner[r.span] == rank else Region(r.need, r.offset, r.nbytes, span=r.span,
+                                                                              relay=True)
+                 for r in runs(routed, chunk)] if routed is not None else [] for routed in to_peers]
     own_runs: dict[int, list[Run]] = defaultdict(list)
     for r in runs(own, chunk):
         own_runs[r.span].append(r)
     pending: dict[int, int] = defaultdict(int)  # span -> its bytes still to copy here or send
+    relays: dict[int, int] = defaultdict(int)  # need -> its bytes still to forward
     for regions in (*outgoing, [_in_span(plan, r) for rs in own_runs.values() for r in rs]):
         for region in regions:
-            pending[region.key] += region.nbytes
+            (relays if region.relay else pending)[region.key] += region.nbytes
+    load.relay_bytes = sum(relays.values())
+    target = _Needs(chunks, finished, relays)
     load.seconds["spans"] = time.perf_counter() - began
     spans = _Spans(plan, owned, pending, window=max(4 * budget, 2 * int((plan.end - plan.start).max(initial=0))))
     progress = ReadProgress()
-    sends = [Stream(r, spans.buffer, spans.moved, progress.ready) for r in outgoing]
-    streams = [Stream(r, target.buffer, target.moved) for r in receives]
+
+    def source(region: Region) -> torch.Tensor:
+        return target.buffer(region.key) if region.relay else spans.buffer(region.key)
+
+    def sent(region: Region) -> None:
+        (target if region.relay else spans).moved(region.key, region.nbytes)
+
+    def ready(region: Region) -> bool:
+        return target.arrived(region) if region.relay else progress.ready(region.key)
+
+    sends = [Stream(r, source, sent, ready) for r in outgoing]
+    streams = [Stream(r, lambda g: target.buffer(g.key), target.received) for r in receives]
     outcome: dict[str, Any] = {"stats": ExchangeStats()}
 
     def run_exchange() -> None:
@@ -263,6 +302,26 @@ def read_spans(
     if "error" in outcome:
         raise outcome["error"]
     return load
+
+
+def _sends(plan: ClusterPlan, rank: int, needs: Sequence[Needs], incoming: Routed, owned: np.ndarray
+           ) -> list[Routed | None]:
+    """Per peer, the parts of its route this rank sends it (:meth:`ClusterPlan.senders`): of its
+    own spans, and to a twin, bytes it forwards. One route per class of twins."""
+    twins = set(plan.members(rank).tolist())
+    needing = set(plan.needing(owned).tolist()) | twins
+    routes: dict[int, Routed] = {int(plan.twins[rank]): incoming}
+    out: list[Routed | None] = []
+    for peer in range(plan.world):
+        if peer == rank or peer not in needing:
+            out.append(None)
+            continue
+        key = int(plan.twins[peer])
+        if key not in routes:
+            routes[key] = plan.route(needs[peer], within=owned)
+        routed = routes[key]
+        out.append(routed.select(plan.senders(peer, routed) == rank))
+    return out
 
 
 def _in_span(plan: ClusterPlan, run: Run) -> Region:

@@ -14,9 +14,17 @@ every rank's needs, which the ranks gather as integers, each rank computes the s
    ranks, plus a span), else the least loaded rank on a node that needs it, else the least
    loaded rank.
 
-Owners read their spans; every rank then receives, from each owner, the bytes of its own needs
-inside that owner's spans, as a stream in file order (:meth:`ClusterPlan.route`): sender and
-receiver derive the same stream from the receiver's needs alone. Pure index arithmetic (numpy, no
+Owners read their spans; every rank then receives the bytes of its own needs inside others' spans,
+from each sender as a stream in file order (:meth:`ClusterPlan.route`, :meth:`ClusterPlan.senders`):
+sender and receiver derive the same stream from the receiver's needs alone.
+
+Ranks with identical needs (*twins*: the replicas of HSDP, ...) are planned once: the union, the
+extents and the needers are computed over the distinct needs, and a route serves every twin. Their
+bytes travel down a *chain*: of a span, the owner sends a class of twins' bytes to one of them (the
+next after itself when it is one of them, else the one on its node, else one rotated by span), and
+each twin forwards them to the next, cyclically, from its own need buffers once they arrived; so an
+owner sends each byte once per class of twins, not once per replica, and the forwarding spreads
+over the twins. Pure index arithmetic (numpy, no
 torch.distributed), unit-tested in one process. The needs' integer form lives in
 :mod:`~hp_dcp_hf.storage.read.needs`, their union in :mod:`~hp_dcp_hf.storage.read.union`, what
 travels in :mod:`~hp_dcp_hf.storage.read.routing`.
@@ -76,6 +84,10 @@ class ClusterPlan:
     needers: tuple[np.ndarray, np.ndarray] = field(repr=False, compare=False)
     """Per span, the ranks whose needs' extents reach into it (CSR: ``indptr``, ranks): a superset
     of the ranks an owner sends to."""
+    twins: np.ndarray = field(repr=False, compare=False)
+    """Per rank, its class of twins: ranks whose needs are identical share one (numbered by their
+    first rank's order)."""
+    nodes: np.ndarray = field(repr=False, compare=False)
 
     @classmethod
     def build(
@@ -93,24 +105,32 @@ class ClusterPlan:
         table = table_of(tensors)
         needs_by_rank = [Needs.of(n, table) for n in needs_by_rank]
         world = len(needs_by_rank)
-        every = concatenated(needs_by_rank, table)
+        twins, distinct = twin_classes(needs_by_rank)
+        population = np.bincount(twins, minlength=len(distinct))
+        every = concatenated([needs_by_rank[r] for r in distinct], table)
         first, last = every.extents(table)
         union = union_of(table, every, first, last, len(files))
-        bounds = np.cumsum([0, *map(len, needs_by_rank)])
-        extents = [(first[lo:hi], last[lo:hi]) if hi > lo else None for lo, hi in zip(bounds[:-1], bounds[1:])]
+        bounds = np.cumsum([0, *(len(needs_by_rank[r]) for r in distinct)])
+        # a class of several twins never needs a stretch alone
+        extents = [(first[lo:hi], last[lo:hi]) if hi > lo and population[c] == 1 else None
+                   for c, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:]))]
         total = sum(int((e - s).sum()) for s, e in union)
         # about a sixteenth of a rank's share: owners balance to within that (a span's requests
         # are cut to the reader's size whatever its length)
         target = max(span_bytes, min(MAX_SPAN_BYTES, -(-total // (16 * world))))
+        others = [(first[lo:hi], last[lo:hi]) for c, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:]))
+                  if hi > lo and population[c] > 1]
         lows, highs = _cut(*_keyed([merge(starts, ends, gap) for starts, ends in union]),
-                           _sole_stretches(extents), target)
+                           _sole_stretches(extents, others), target)
         needed_lo, needed_hi = _keyed(union)
         needed = _covered(needed_lo, needed_hi, highs) - _covered(needed_lo, needed_hi, lows)
-        indptr, needers, nbytes = _needers(lows, highs, first, last, np.repeat(np.arange(world), np.diff(bounds)))
-        owner = _assign(highs - lows, indptr, needers, nbytes,
-                        np.asarray(nodes if nodes is not None else range(world), dtype=np.int64), target)
+        indptr, classes, nbytes = _needers(lows, highs, first, last,
+                                           np.repeat(np.arange(len(distinct)), np.diff(bounds)))
+        indptr, needers, nbytes = _expand(indptr, classes, nbytes, twins)
+        node_of = np.asarray(nodes if nodes is not None else range(world), dtype=np.int64)
+        owner = _assign(highs - lows, indptr, needers, nbytes, node_of, target)
         return cls(tuple(files), lows >> FILE_SHIFT, lows & BYTE_MASK, highs & BYTE_MASK, owner, needed, world,
-                   table, (indptr, needers))
+                   table, (indptr, needers), twins, node_of)
 
     def __len__(self) -> int:
         return len(self.start)
@@ -158,6 +178,38 @@ class ClusterPlan:
         routed = self._split(file_, start_, end_, need_, offset_)
         return routed if within is None else routed.select(np.isin(routed.span, within, assume_unique=True))
 
+    def senders(self, rank: int, routed: Routed) -> np.ndarray:
+        """Who sends ``rank`` each part of ``routed`` (its own route, or a twin's: the same): the
+        span's owner, or for a class of twins the previous twin in the span's chain (cyclically,
+        starting after the owner when it is a twin, else at the head: the twin on the owner's node,
+        else the one the span index picks). ``rank`` itself for bytes of its own spans."""
+        members = self._members[int(self.twins[rank])]
+        count = len(members)
+        owner = routed.owner
+        if count == 1:
+            return owner
+        at = int(np.searchsorted(members, rank))
+        previous = members[(at - 1) % count]
+        inside = np.isin(owner, members, assume_unique=False)
+        head = self._head(routed.span, members)
+        return np.where(owner == rank, rank, np.where(~inside & (head == at), owner, previous))
+
+    def _head(self, spans: np.ndarray, members: np.ndarray) -> np.ndarray:
+        """For spans whose owner is not one of ``members`` (twins, sorted), the index of the twin it
+        sends to: the first on its node, else ``span % len(members)`` (rotated, so that which twin
+        forwards nothing varies)."""
+        local = self.nodes[members][None, :] == self.nodes[self.owner[spans]][:, None]
+        return np.where(local.any(1), local.argmax(1), spans % len(members))
+
+    @cached_property
+    def _members(self) -> list[np.ndarray]:
+        order = np.argsort(self.twins, kind="stable")
+        return np.split(order, np.flatnonzero(np.diff(self.twins[order])) + 1)
+
+    def members(self, rank: int) -> np.ndarray:
+        """``rank``'s twins, itself included (sorted)."""
+        return self._members[int(self.twins[rank])]
+
     @cached_property
     def _keys(self) -> np.ndarray:
         return byte_key(self.file, self.start)
@@ -175,6 +227,34 @@ class ClusterPlan:
         span, at = _ranges(first, counts), np.repeat(np.arange(len(first)), counts)
         lo, hi = np.maximum(start[at], self.start[span]), np.minimum(end[at], self.end[span])
         return Routed(self.owner[span], span, file[at], lo, hi, need[at], offset[at] + lo - start[at])
+
+
+def twin_classes(needs_by_rank: Sequence[Needs]) -> tuple[np.ndarray, list[int]]:
+    """Per rank its class of twins (identical needs, row for row), and each class's first rank."""
+    seen: dict[bytes, int] = {}
+    classes = np.zeros(len(needs_by_rank), dtype=np.int64)
+    distinct: list[int] = []
+    for rank, needs in enumerate(needs_by_rank):
+        key = needs.rows.tobytes()
+        if key not in seen:
+            seen[key] = len(distinct)
+            distinct.append(rank)
+        classes[rank] = seen[key]
+    return classes, distinct
+
+
+def _expand(indptr: np.ndarray, classes: np.ndarray, nbytes: np.ndarray, twins: np.ndarray
+            ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per-span classes of twins (CSR, as :func:`_needers` gives them) as per-span ranks, ascending."""
+    order = np.argsort(twins, kind="stable")
+    sizes = np.bincount(twins, minlength=int(classes.max(initial=-1)) + 1)
+    starts = np.concatenate(([0], np.cumsum(sizes)))
+    counts = sizes[classes]
+    ranks = order[_ranges(starts[classes], counts)]
+    span = np.repeat(np.repeat(np.arange(len(indptr) - 1), np.diff(indptr)), counts)
+    weight = np.repeat(nbytes, counts)
+    sort = np.lexsort((ranks, span))
+    return np.searchsorted(span[sort], np.arange(len(indptr))), ranks[sort], weight[sort]
 
 
 def _page_floor(positions: np.ndarray) -> np.ndarray:
@@ -226,10 +306,11 @@ def _keyed(ranges_by_file: Sequence[tuple[np.ndarray, np.ndarray]]) -> tuple[np.
             np.concatenate([empty, *(byte_key(f, ends) for f, (_, ends) in enumerate(ranges_by_file))]))
 
 
-def _sole_stretches(extents: Sequence[tuple[np.ndarray, np.ndarray] | None]) -> np.ndarray:
+def _sole_stretches(extents: Sequence[tuple[np.ndarray, np.ndarray] | None],
+                    shared: Sequence[tuple[np.ndarray, np.ndarray]] = ()) -> np.ndarray:
     """The bounds (keys, sorted) of the stretches of at least :data:`OWN_RUN_BYTES` that one rank's
     need extents alone cover (holes nobody's extents cover may lie inside): no other rank needs a
-    byte there."""
+    byte there. ``shared``: extents of needs several ranks have (they cover, but are nobody's alone)."""
     bounds, deltas = [], []
     for rank, extent in enumerate(extents):
         if extent is None:
@@ -238,6 +319,10 @@ def _sole_stretches(extents: Sequence[tuple[np.ndarray, np.ndarray] | None]) -> 
         bounds += [first, last]
         deltas += [np.full(len(first), 1 + rank * 2**20, dtype=np.int64),
                    np.full(len(last), -1 - rank * 2**20, dtype=np.int64)]
+    for extent in shared:  # as two ranks: never depth one
+        first, last = merge(*extent, 0)
+        bounds += [first, last]
+        deltas += [np.full(len(first), 2, dtype=np.int64), np.full(len(last), -2, dtype=np.int64)]
     if not bounds:
         return np.zeros(0, dtype=np.int64)
     keys = np.concatenate(bounds)
@@ -343,17 +428,22 @@ class Traffic:
 
 
 def traffic(plan: ClusterPlan, needs_by_rank: Sequence[Sequence[Need] | Needs], request_bytes: int) -> list[Traffic]:
-    """Every rank's :class:`Traffic` under ``plan`` (what the CLI's ``plan`` and the simulation show)."""
+    """Every rank's :class:`Traffic` under ``plan`` (what the CLI's ``plan`` and the simulation show):
+    one route per class of twins, its parts sent by each twin's senders (relays included)."""
     sent = np.zeros(plan.world, dtype=np.int64)
-    received = []
+    received = np.zeros(plan.world, dtype=np.int64)
+    routes: dict[int, Routed] = {}
     for rank, needs in enumerate(needs_by_rank):
-        routed = plan.route(needs)
-        others = routed.owner != rank
+        twins = int(plan.twins[rank])
+        if twins not in routes:
+            routes[twins] = plan.route(needs)
+        routed = routes[twins]
+        senders = plan.senders(rank, routed)
+        others = senders != rank
         sizes = (routed.end - routed.start)[others]
-        np.add.at(sent, routed.owner[others], sizes)
-        received.append(int(sizes.sum()))
+        np.add.at(sent, senders[others], sizes)
+        received[rank] = int(sizes.sum())
     sizes = plan.end - plan.start
     requests = -(-sizes // request_bytes)
-    return [Traffic(int(sizes[plan.owner == r].sum()), int(requests[plan.owner == r].sum()), received[r],
+    return [Traffic(int(sizes[plan.owner == r].sum()), int(requests[plan.owner == r].sum()), int(received[r]),
                     int(sent[r])) for r in range(plan.world)]
-
