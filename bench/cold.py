@@ -3,6 +3,7 @@
     python -m bench.cold                                  # 1 GB dense + MoE, 2 and 4 ranks, 3 reps
     python -m bench.cold --size 50MB --reps 2             # smoke
     python -m bench.cold --worlds 4 --kinds moe --contenders floor,dcp,dcp+willneed
+    python -m bench.cold --worlds 4 --kinds moe --contenders floor,dcp --phases   # each rank's phases
 
 Checkpoints: the ``dense`` and ``moe`` workloads of :mod:`bench.workloads`, cached under ``--cache``
 (outside the repository). Every contender of one (workload, world) runs in one process group of
@@ -190,10 +191,10 @@ def _dcp_load(model, path: str, threads: int, reader_cls=None, **options) -> dic
 
     reader = (reader_cls or HFStorageReader)(path, num_threads=threads, **options)
     planner = HFMappingPlanner(model)
-    load_hf_checkpoint(model, path, reader=reader, planner=planner)
+    report = load_hf_checkpoint(model, path, reader=reader, planner=planner)
     total = reader.stats.total()
     return {"bytes_read": total.bytes_read, "bytes_needed": planner.stats.bytes_needed, "requests": total.requests,
-            "read_s": reader.seconds.get("read")}
+            "read_s": reader.seconds.get("read"), "phases": dict(report.seconds)}
 
 
 def _turns(rank: int, world: int, nodes: int):
@@ -291,8 +292,10 @@ def _run_rank(rank: int, world: int, job: ColdJob) -> dict[str, Any]:
             record["storage_bytes"].append(io1 - io0)
             record["resident_before"].append(before)
             record["resident_after"].append(after)
-            record.update({k: v for k, v in counts.items() if k != "read_s"})
+            record.update({k: v for k, v in counts.items() if k not in ("read_s", "phases")})
             record.setdefault("read_s", []).append(counts.get("read_s"))
+            if "phases" in counts:
+                record.setdefault("phases", []).append(measure.phase_seconds(counts["phases"], timer.own_s))
             if rep == 0 and name not in raws:
                 digests = measure.digests(model)
                 if name == "dcp":
@@ -370,6 +373,8 @@ def _stats(values: Sequence[float]) -> dict[str, float | None]:
 
 def aggregate(rows: list[dict[str, Any]], world: int, nodes: int) -> dict[str, Any]:
     """The ranks' measurements -> one record per contender and the multi-host summary."""
+    from bench import measure
+
     rows = sorted(rows, key=lambda r: r["rank"])
     errors = {r["rank"]: r["error"] for r in rows if r.get("error")}
     if errors:
@@ -397,7 +402,10 @@ def aggregate(rows: list[dict[str, Any]], world: int, nodes: int) -> dict[str, A
                   "storage_bytes_all_ranks": _stats(storage),
                   "resident_before": recs[0]["resident_before"], "resident_after": recs[0]["resident_after"],
                   "read_s_max": _stats([max(c["read_s"][i] or 0 for c in recs) for i in range(reps)])
-                  if recs[0].get("read_s") and recs[0]["read_s"][0] is not None else None}
+                  if recs[0].get("read_s") and recs[0]["read_s"][0] is not None else None,
+                  "own_s_per_rank": [statistics.median(c["own_s"]) for c in recs]}
+        if recs[0].get("phases"):
+            record["phases_per_rank"] = [measure.median_phases(c["phases"]) for c in recs]
         if any("mismatched" in c for c in recs):
             bad = sorted({m for c in recs for m in c.get("mismatched", [])})
             record["correct"], record["mismatched"] = not bad, bad
@@ -453,7 +461,7 @@ def _multihost_summary(rows, world: int, nodes: int, union) -> dict[str, Any]:
 
 def run_case(workload: Workload, world: int, mesh: dict[str, int], contenders: list[str], *, reps: int,
              warmup: int, threads: int, nodes: int = 1, multihost: Sequence[str] = (), timeout: float = 1800,
-             log: Callable[[str], None] = print) -> dict[str, Any]:
+             phases: bool = False, log: Callable[[str], None] = print) -> dict[str, Any]:
     from bench.layouts import mesh_label
     from hp_dcp_hf.tools.launch import run_ranks
 
@@ -471,6 +479,9 @@ def run_case(workload: Workload, world: int, mesh: dict[str, int], contenders: l
             "world": world, "mesh": label, **aggregate(rows, world, nodes), "group_s": time.perf_counter() - begun}
     for r in case.get("contenders", []):
         log("    " + summary_line(r))
+    if phases and case.get("contenders"):
+        for line in phase_lines(case):
+            log("    " + line)
     for r in case.get("multihost", {}).get("contenders", []):
         log(f"    multi-host {r['contender']:<6} storage per node {[human(b) for b in r['storage_bytes_per_node']]} "
             f"cluster {human(r['storage_bytes_cluster'])} = {r['cluster_vs_one_copy']:.2f}x one copy")
@@ -488,6 +499,18 @@ def summary_line(r: dict[str, Any]) -> str:
 
 
 # -- the report ----------------------------------------------------------------------------------
+
+
+def phase_lines(case: dict[str, Any]) -> list[str]:
+    """The case's per-rank phase table (:func:`bench.measure.phase_table`): every contender with
+    phases, each rank beside the floor's own time on it."""
+    from bench.measure import phase_table
+
+    recs = case["contenders"]
+    floor = next((r["own_s_per_rank"] for r in recs if r["contender"] == "floor" and r.get("own_s_per_rank")), [])
+    rows = [(r["contender"], rank, r["own_s_per_rank"][rank], phases)
+            for r in recs for rank, phases in enumerate(r.get("phases_per_rank") or [])]
+    return phase_table(rows, dict(enumerate(floor)))
 
 
 def _f(v: float | None, digits: int = 3) -> str:
@@ -537,6 +560,13 @@ def render(doc: dict[str, Any]) -> str:
             lines.append(f"| {case['workload']} | {case['world']} | {case['mesh']} | "
                          f"{', '.join(human(b) for b in case['needed_per_rank'])} | {human(case['needed_sum'])} | "
                          f"{human(case['needed_union'])} | {human(case['needed_union_pages'])} |")
+    if doc["settings"].get("phases"):
+        from bench.measure import PHASES_NOTE
+
+        lines += ["", "## Phases per rank", "", PHASES_NOTE]
+        for case in doc["cases"]:
+            if not case.get("errors") and case.get("contenders"):
+                lines += ["", f"{case['workload']} x {case['world']} ({case['mesh']}):", "", *phase_lines(case)]
     hosts = [c for c in doc["cases"] if c.get("multihost")]
     if hosts:
         lines += ["", "## Multi-host simulation", "",
@@ -617,6 +647,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--out", default=None, help="result stem (default bench/results/<date>-cold-<size>)")
     p.add_argument("--render", default=None, metavar="FILE.json", help="only re-render FILE.json's markdown")
+    p.add_argument("--phases", action="store_true",
+                   help="print and write each rank's load phases (LoadReport.seconds) beside the floor's time")
     args = p.parse_args(argv)
     if args.render:
         doc = json.loads(Path(args.render).read_text())
@@ -652,7 +684,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             nodes = args.nodes if world == 4 and multihost and mesh in parse_meshes(args.multihost_meshes) else 1
             doc["cases"].append(run_case(workload, world, mesh, contenders, reps=args.reps, warmup=args.warmup,
                                          threads=args.threads, nodes=nodes, multihost=multihost if nodes > 1 else (),
-                                         timeout=args.timeout))
+                                         timeout=args.timeout, phases=args.phases))
         if 4 in args.worlds and multihost:
             for mesh in parse_meshes(args.multihost_meshes):
                 if mesh != default_mesh(4):

@@ -17,7 +17,7 @@ import contextlib
 import hashlib
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -240,3 +240,48 @@ def timed_across_ranks() -> Iterator[Timer]:
     if group:
         dist.barrier()
     timer.wall_s = time.perf_counter() - start
+
+
+# -- a load's phases -----------------------------------------------------------------------------
+
+SEQUENTIAL = ("metadata", "plan", "spans", "read", "exchange", "finish")
+"""The phases of ``LoadReport.seconds`` that follow each other: with ``other`` they make the load."""
+
+
+def phase_seconds(seconds: Mapping[str, float], own_s: float) -> dict[str, float]:
+    """Every phase of a load's ``LoadReport.seconds`` (0 where it had none) and ``other``: the part of
+    its own wall time ``own_s`` no sequential phase covers (the state dict, DCP's own steps)."""
+    from hp_dcp_hf.load.api import PHASES
+
+    out = {phase: float(seconds.get(phase, 0.0)) for phase in PHASES}
+    out["other"] = max(0.0, own_s - sum(out[phase] for phase in SEQUENTIAL))
+    return out
+
+
+def median_phases(runs: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """Per phase, the median over repetitions (each phase on its own)."""
+    import statistics
+
+    return {phase: statistics.median(run[phase] for run in runs) for phase in runs[0]} if runs else {}
+
+
+def phase_table(rows: Sequence[tuple[str, int, float, Mapping[str, float]]], floor: Mapping[int, float]) -> list[str]:
+    """Markdown lines: per ``(contender, rank, own s, phases)`` a row of its phases (seconds) beside the
+    floor's own time on that rank (``floor``: rank -> seconds)."""
+    from hp_dcp_hf.load.api import PHASES
+
+    names = [*PHASES, "other"]
+    lines = ["| contender | rank | own s | floor s | " + " | ".join(f"{n} s" for n in names) + " |",
+             "|" + "---|" * (4 + len(names))]
+    for contender, rank, own, phases in rows:
+        base = floor.get(rank)
+        lines.append(f"| `{contender}` | {rank} | {own:.3f} | {'-' if base is None else f'{base:.3f}'} | "
+                     + " | ".join(f"{phases.get(n, 0.0):.3f}" for n in names) + " |")
+    return lines
+
+
+PHASES_NOTE = ("Phases (`LoadReport.seconds`, median per phase over the repetitions): metadata, plan, spans, read, "
+               "exchange and finish follow each other, *other* is the rest of the rank's own time (state dict, DCP's "
+               "steps); *first_byte* (from the start of the reads to the first bytes from storage in memory) and "
+               "*convert* (copies out of staging and commits, summed over the read threads) are parts of them; "
+               "*copy*: of read, the wait for copies to a device. *floor s*: the floor's own time on that rank.")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Collection, Sequence
 from typing import Any, Literal
 
@@ -109,6 +110,7 @@ def load_hf_checkpoint(
             # coordinate, so DCP's gather and scatter of every rank's plan through rank 0 (O(world)
             # pickled plans there) is skipped; the ranks agree on the outcome below instead.
             dcp.load(state_dict, storage_reader=reader, planner=planner, no_dist=True)
+        finishing = time.perf_counter()
         if copies:
             finish_through_load_state_dict(model, state_dict, copies)
         if check is not None:
@@ -134,9 +136,13 @@ def load_hf_checkpoint(
         unused = planner.reported_unexpected
         logger.warning("%d tensors of %s make no model tensor (UNEXPECTED; unexpected='ignore' silences "
                        "this, 'raise' refuses such loads): %s", len(unused), reader.path, describe_keys(unused))
-    phases = {"plan": planner.plan_seconds, **reader.seconds}
-    seconds = {k: phases[k] for k in ("metadata", "plan", "spans", "read", "copy", "exchange") if k in phases}  # load order
+    phases = {"plan": planner.plan_seconds, **reader.seconds, "finish": time.perf_counter() - finishing}
+    seconds = {k: phases[k] for k in PHASES if k in phases}
     return dataclasses.replace(planner.report, seconds=seconds)
+
+
+PHASES = ("metadata", "plan", "spans", "first_byte", "read", "convert", "copy", "exchange", "finish")
+"""The phases of ``LoadReport.seconds``, in load order (see there which add up to the load)."""
 
 
 def _architecture_mismatch(model: nn.Module, reader: HFStorageReader,

@@ -106,7 +106,13 @@ class LoadReport:
     ``plan``, ``read`` (reads, casts and copies into the shards), with CUDA destinations ``copy``
     (of ``read``, the time the reads waited for copies to the device: the part they did not hide)
     and, cooperating, ``spans`` (gathering every rank's needs and planning the spans) and ``exchange``
-    (what the exchange of span bytes took after this rank's reads)."""
+    (what the exchange of span bytes took after this rank's reads); then ``finish`` (after the reads:
+    the copies into hook-made tensors, and the ranks agreeing on the outcome, where a rank waits for
+    the slowest). Those add up to the load, less its set-up (the state dict, DCP's own steps). Two are
+    parts of others: ``first_byte`` (from the start of the reads, ``spans`` included, to the first
+    bytes read from storage in memory) and ``convert`` (of ``read``, summed over its threads: copies
+    out of staging slots and the commits after them, dequantization and conversions of whole tensors;
+    a copy out of a mapping, casting or not, is the read itself)."""
 
 
 @dataclass

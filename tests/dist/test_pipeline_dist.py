@@ -212,7 +212,7 @@ def test_report(run, case):
         assert r["plan_bytes"] == r["read_bytes"] > 0
         # the stages, and the load's phases (local files: no exchange)
         assert set(r["seconds"]) == {"skeleton", "transforms", "parallelize", "materialize", "load", "finalize",
-                                     "metadata", "plan", "read"}
+                                     "metadata", "plan", "first_byte", "read", "convert", "finish"}
     assert "lm_head.weight" in per_rank[0][case]["report"]["loaded_keys"]  # tied (llama) or stored (mixtral)
 
 

@@ -53,14 +53,19 @@ class CooperativeRead:
         if error is None:
             chunk_done = committer(plan, planner, chunks, dests)
             log = record.requests.append if record.requests is not None else None
+
+            def finished(index: int) -> None:
+                with record.converting():
+                    chunk_done(chunks[index].item)
+
             try:
                 load = read_spans(
                     location=settings.location, table=StoredTable.of(self.chunker.entries), chunks=chunks,
-                    finished=lambda index: chunk_done(chunks[index].item),
+                    finished=finished,
                     gap=settings.span_gap, span_bytes=options.span_bytes, request_bytes=settings.batch_bytes,
                     threads=options.num_threads, budget=options.staging_bytes, node=options.node,
                     stats=record.stats, log=(lambda f, s, e: log((f, s, e))) if log is not None else None,
-                    direct_io=options.direct_io,
+                    direct_io=options.direct_io, landed=record.landed,
                 )
                 record.spans = load
                 record.seconds.update(load.seconds)

@@ -140,7 +140,8 @@ class DirectRead:
                 keys = ", ".join(dict.fromkeys(chunk.entry.key for chunk in batch))
                 raise StorageReadError(e.reason, file=e.file, key=keys) from e
             raise
-        staged.deliver(lambda: finish(batch))
+        with record.converting():
+            staged.deliver(lambda: finish(batch))
 
     def _read_ranges(
         self, handle: RangeFile, batch: list[Chunk], targets: list[torch.Tensor], record: ReadRecord
@@ -151,6 +152,7 @@ class DirectRead:
         requests = coalesce(ranges, self.settings.gap)
         scratch = memoryview(bytearray(max(r.nbytes - sum(p.nbytes for p in r.pieces) for r in requests)))
         self._read_requests(handle, requests, lambda r: _request_views(r, buffers, scratch), batch)
+        record.landed()
         record.log(handle.file, requests)
         record.stats.add(
             handle.file,
@@ -194,6 +196,7 @@ def _copy_mapped(handle: RangeFile, batch: list[Chunk], targets: list[torch.Tens
         assert view is not None, "read from a mapping of a backend that cannot map"
         source = torch.frombuffer(view, dtype=chunk.entry.dtype).as_strided(chunk.box.sizes, chunk.strides)
         copy_into(target, source)
+        record.landed()
         del source, view
     requests = count_requests(chunk.span for chunk in batch)
     if requests is None or record.requests is not None:

@@ -263,9 +263,10 @@ class HFStorageReader(StorageReader):
         """Read every item of ``plan`` into ``planner.resolve_tensor(item)``, then commit it, by
         this load's read mode (:meth:`_mode`)."""
         start = time.perf_counter()
-        for phase in ("spans", "exchange", "copy"):
+        for phase in ("spans", "first_byte", "convert", "exchange", "copy"):
             self.seconds.pop(phase, None)
-        record = ReadRecord(self.stats, self.seconds, self.requests_log if self.options.record_requests else None)
+        record = ReadRecord(self.stats, self.seconds, self.requests_log if self.options.record_requests else None,
+                            started=start)
         try:
             with paused_gc():
                 self._mode().read(plan, planner, record)

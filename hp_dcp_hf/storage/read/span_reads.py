@@ -216,9 +216,11 @@ def read_spans(
     stats: ReadStats,
     log: Callable[[str, int, int], None] | None,
     direct_io: bool,
+    landed: Callable[[], None],
 ) -> SpanLoad:
     """The cooperative read of ``chunks`` (this rank's, sorted by file and first byte): every rank
-    calls it together. ``finished(i)``: chunk ``i`` holds its values. Raises this rank's error, or
+    calls it together. ``finished(i)``: chunk ``i`` holds its values; ``landed()``: a request's
+    bytes are in. Raises this rank's error, or
     returns having left the outcome of the others to agree on (``SpanLoad.exchange`` counts)."""
     began = time.perf_counter()
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -288,7 +290,7 @@ def read_spans(
     error: BaseException | None = None
     try:
         _read_owned(location, plan, spans, own_runs, target, progress, request_bytes, threads,
-                    stats, log, direct_io, stop=lambda: "error" in outcome or outcome["stats"].aborted)
+                    stats, log, direct_io, landed, stop=lambda: "error" in outcome or outcome["stats"].aborted)
     except BaseException as e:  # noqa: BLE001 - every rank learns of it through the exchange
         error = e
     finally:
@@ -332,7 +334,7 @@ def _in_span(plan: ClusterPlan, run: Run) -> Region:
 def _read_owned(location, plan, spans: _Spans, own_runs: dict[int, list[Run]], target: _Needs,
                 progress: ReadProgress,
                 request_bytes: int, threads: int, stats: ReadStats, log, direct_io: bool,
-                stop: Callable[[], bool]) -> None:
+                landed: Callable[[], None], stop: Callable[[], bool]) -> None:
     """Read every owned span (requests of at most ``request_bytes``, ``threads`` at once); as each
     span is in, copy this rank's own parts out of it and mark it ready for the exchange."""
     lock = threading.Lock()
@@ -360,6 +362,7 @@ def _read_owned(location, plan, spans: _Spans, own_runs: dict[int, list[Run]], t
                 if direct_io:
                     handle.use_direct_io()
                 handle.read_into(start, [memoryview(buffer[start - base : end - base].numpy())])
+            landed()
             if log is not None:
                 log(file, start, end)
             with lock:
