@@ -212,8 +212,10 @@ class WeightReceiver:
         for connection in self._connections:
             with contextlib.suppress(SyncError):  # a trainer rank that is gone hears nothing
                 connection.send(verdict)
-        if failure is not None:
-            self.close()
+        if failure is not None:  # ranks still sending stop at the verdict; they must get to read it
+            deadline = time.monotonic() + self.timeout_s
+            for connection in self._connections:
+                connection.close_after_peer(deadline)
 
     def close(self) -> None:
         for connection in self._connections:

@@ -186,23 +186,16 @@ class WeightSender:
                     unchanged.append([route.name, box_json(route.box), code])
                     continue
                 if buffered and buffered + values.nbytes > self.bucket_bytes:
-                    connection.send({"kind": "pieces", "update": update, "pieces": header}, payload)
+                    self._send(connection, update, {"kind": "pieces", "update": update, "pieces": header}, payload)
                     header, payload, buffered = [], [], 0
                 header.append({"name": route.name, "box": box_json(route.box), "dtype": dtype_name(values.dtype),
                                "digest": code})
                 payload.append(values)
                 buffered += values.nbytes
             if header:
-                connection.send({"kind": "pieces", "update": update, "pieces": header}, payload)
-            connection.send({"kind": "done", "update": update, "unchanged": unchanged})
-            verdict, _ = connection.receive()
-            while verdict.get("kind") == "wait":  # the worker still receives from other ranks, or verifies
-                verdict, _ = connection.receive()
-            if verdict.get("kind") != "ack" or verdict.get("update") != update:
-                raise SyncError(f"{connection.peer} answered {verdict.get('kind')!r} to update {update}")
-            if not verdict.get("ok"):
-                cls = VerificationError if verdict.get("error_type") == "VerificationError" else SyncError
-                raise cls(str(verdict.get("reason")), key=verdict.get("key"))
+                self._send(connection, update, {"kind": "pieces", "update": update, "pieces": header}, payload)
+            self._send(connection, update, {"kind": "done", "update": update, "unchanged": unchanged})
+            self._verdict(connection, update)
             self._last_digests[worker] = digests
             with lock:
                 stats.bytes_per_worker[worker] = connection.bytes_sent
@@ -213,6 +206,33 @@ class WeightSender:
         except BaseException as error:
             errors.append(error if isinstance(error, HPDCPHFError) else SyncError(
                 f"trainer rank {self.rank}, update {update}: {type(error).__name__}: {error}"))
+
+    def _send(self, connection: Connection, update: int, header: dict[str, Any],
+              payload: Sequence[torch.Tensor] = ()) -> None:
+        """One frame to a worker, unless the worker has already given its verdict: a worker that
+        fails an update (a piece that does not verify, another rank gone) says so at once and stops
+        reading, so its reason is what this rank raises, not the broken send that follows."""
+        if connection.has_input():
+            self._verdict(connection, update)
+            raise SyncError(f"{connection.peer} ended update {update} before this rank finished sending")
+        try:
+            connection.send(header, payload)
+        except SyncError:
+            if connection.has_input():
+                self._verdict(connection, update)
+            raise
+
+    @staticmethod
+    def _verdict(connection: Connection, update: int) -> None:
+        """Read the worker's verdict on ``update`` (past its keepalives); raise the failure it names."""
+        verdict, _ = connection.receive()
+        while verdict.get("kind") == "wait":  # the worker still receives from other ranks, or verifies
+            verdict, _ = connection.receive()
+        if verdict.get("kind") != "ack" or verdict.get("update") != update:
+            raise SyncError(f"{connection.peer} answered {verdict.get('kind')!r} to update {update}")
+        if not verdict.get("ok"):
+            cls = VerificationError if verdict.get("error_type") == "VerificationError" else SyncError
+            raise cls(str(verdict.get("reason")), key=verdict.get("key"))
 
     def close(self) -> None:
         for connection, _ in self._workers.values():

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import select
 import socket
 import struct
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -105,9 +107,29 @@ class Connection:
         if count:
             self.bytes_received += n
 
+    def has_input(self) -> bool:
+        """Whether the peer has sent something not yet read (a sender's check for an early verdict)."""
+        try:
+            return bool(select.select([self.sock], [], [], 0)[0])
+        except (OSError, ValueError):  # closed: the next operation says so
+            return True
+
     def close(self) -> None:
         with contextlib.suppress(OSError):
             self.sock.close()
+
+    def close_after_peer(self, deadline: float) -> None:
+        """Close once the peer has read what was sent: stop sending, discard what still arrives until
+        the peer closes (or ``deadline``, a ``time.monotonic()`` value), then close. A plain close with
+        unread input resets the connection, and a reset may overtake the last frame sent."""
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_WR)
+            sink = bytearray(1 << 16)
+            while (left := deadline - time.monotonic()) > 0:
+                self.sock.settimeout(left)
+                if not self.sock.recv_into(sink):
+                    break
+        self.close()
 
 
 def _why(error: OSError) -> str:
