@@ -26,6 +26,9 @@ from hp_dcp_hf.sync.checksums import digest, tensor_bytes
 from hp_dcp_hf.sync.source import TensorMeta
 from hp_dcp_hf.sync.wire import PROTOCOL, Connection, box_from_json, box_json, dtype_from_name
 
+_VERDICT_GRACE_S = 10.0
+"""How long a failing worker waits for the trainer ranks to read its verdict and hang up."""
+
 
 @dataclass
 class ReceiveStats:
@@ -212,8 +215,8 @@ class WeightReceiver:
         for connection in self._connections:
             with contextlib.suppress(SyncError):  # a trainer rank that is gone hears nothing
                 connection.send(verdict)
-        if failure is not None:  # ranks still sending stop at the verdict; they must get to read it
-            deadline = time.monotonic() + self.timeout_s
+        if failure is not None:  # ranks still sending stop at the verdict (a frame later): let them read it
+            deadline = time.monotonic() + min(self.timeout_s, _VERDICT_GRACE_S)
             for connection in self._connections:
                 connection.close_after_peer(deadline)
 
