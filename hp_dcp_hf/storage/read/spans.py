@@ -38,7 +38,6 @@ from functools import cached_property
 
 import numpy as np
 
-from hp_dcp_hf.storage.format.ranges import box_byte_runs
 from hp_dcp_hf.storage.read.needs import (
     BYTE_MASK,
     FILE_SHIFT,
@@ -88,6 +87,13 @@ class ClusterPlan:
     """Per rank, its class of twins: ranks whose needs are identical share one (numbered by their
     first rank's order)."""
     nodes: np.ndarray = field(repr=False, compare=False)
+    distinct: Needs = field(repr=False, compare=False)
+    """The needs of every class of twins (its first rank's), one class after the other: class
+    ``c``'s are rows ``bounds[c]:bounds[c + 1]``; routes of other ranks are cut from them, and their
+    extents were found in :meth:`build` once."""
+    bounds: np.ndarray = field(repr=False, compare=False)
+    touched: tuple[np.ndarray, np.ndarray] = field(repr=False, compare=False)
+    """Per row of ``distinct``, the first and last span its extent may touch."""
 
     @classmethod
     def build(
@@ -124,13 +130,14 @@ class ClusterPlan:
                            _sole_stretches(extents, others), target)
         needed_lo, needed_hi = _keyed(union)
         needed = _covered(needed_lo, needed_hi, highs) - _covered(needed_lo, needed_hi, lows)
-        indptr, classes, nbytes = _needers(lows, highs, first, last,
+        touched = _touching(lows, first, last)
+        indptr, classes, nbytes = _needers(lows, highs, first, last, touched,
                                            np.repeat(np.arange(len(distinct)), np.diff(bounds)))
         indptr, needers, nbytes = _expand(indptr, classes, nbytes, twins)
         node_of = np.asarray(nodes if nodes is not None else range(world), dtype=np.int64)
         owner = _assign(highs - lows, indptr, needers, nbytes, node_of, target)
         return cls(tuple(files), lows >> FILE_SHIFT, lows & BYTE_MASK, highs & BYTE_MASK, owner, needed, world,
-                   table, (indptr, needers), twins, node_of)
+                   table, (indptr, needers), twins, node_of, every, bounds, touched)
 
     def __len__(self) -> int:
         return len(self.start)
@@ -156,42 +163,88 @@ class ClusterPlan:
         them are skipped without listing their rows."""
         table = self.table
         needs = Needs.of(needs, table)
-        chosen = np.arange(len(needs))
+        index = np.arange(len(needs))
         if within is not None:
             within = np.sort(within)
-            lo, hi = _touching(self._keys, *needs.extents(table))
-            after = np.searchsorted(within, lo)  # the first span of within at or after each need's first
-            padded = np.append(within, len(self))  # past every span: "none after"
-            chosen = np.flatnonzero(padded[after] <= hi)
-        file, start, end, need, offset = [], [], [], [], []
-        for index in chosen.tolist():
-            tensor = table.stored[needs.tensor[index]]
-            starts, run = box_byte_runs(tensor.shape, tensor.itemsize, needs.box(index, table))
-            file.append(np.full(len(starts), tensor.file, dtype=np.int64))
-            start.append(starts + tensor.data_start)
-            end.append(starts + (tensor.data_start + run))
-            need.append(np.full(len(starts), index, dtype=np.int64))
-            offset.append(np.arange(len(starts), dtype=np.int64) * run)
-        parts = [np.concatenate(a) if a else np.zeros(0, dtype=np.int64) for a in (file, start, end, need, offset)]
-        order = np.lexsort((parts[1], parts[0]))  # stable: ties keep need order
-        file_, start_, end_, need_, offset_ = (a[order] for a in parts)
-        routed = self._split(file_, start_, end_, need_, offset_)
+            index = self._reaching(within, *_touching(self._keys, *needs.extents(table)))
+            needs = Needs.from_rows(needs.rows[index], table)
+        routed, _ = self._parts(needs, index)
         return routed if within is None else routed.select(np.isin(routed.span, within, assume_unique=True))
+
+    def sends(self, rank: int, incoming: Routed, owned: np.ndarray) -> list[Routed | None]:
+        """Per peer, the parts of its route that ``rank`` sends it (:meth:`senders`): of its own
+        spans ``owned``, and to a twin, bytes it forwards (``incoming``: ``rank``'s own route);
+        ``None`` for itself and for ranks needing none of its spans. The peers' routes come from the
+        needs gathered in :meth:`build`, every class of twins in one pass."""
+        needing = np.union1d(self.needing(owned), self.members(rank))
+        needing = needing[needing != rank]
+        mine = int(self.twins[rank])
+        classes = np.unique(self.twins[needing])
+        routes = self._routes_within(classes[classes != mine], np.sort(owned))
+        routes[mine] = incoming
+        chains = {c: self._chain(c, routes[c]) for c in classes.tolist()}
+        out: list[Routed | None] = [None] * self.world
+        for peer, twins in zip(needing.tolist(), self.twins[needing].tolist()):
+            routed = routes[twins]
+            out[peer] = routed.select(self._senders(peer, routed.owner, chains[twins]) == rank)
+        return out
+
+    def _routes_within(self, classes: np.ndarray, within: np.ndarray) -> dict[int, Routed]:
+        """:meth:`route` of every class of twins in ``classes`` (sorted) into ``within`` (sorted), at once."""
+        bounds = self.bounds
+        rows = _ranges(bounds[classes], bounds[classes + 1] - bounds[classes])
+        first, last = self.touched
+        rows = rows[self._reaching(within, first[rows], last[rows])]
+        group = np.searchsorted(bounds, rows, side="right") - 1
+        routed, at = self._parts(Needs.from_rows(self.distinct.rows[rows], self.table), rows - bounds[group], group)
+        keep = np.isin(routed.span, within, assume_unique=True)
+        routed, group = routed.select(keep), group[at[keep]]
+        cuts = np.searchsorted(group, np.append(classes, np.iinfo(np.int64).max))
+        return {c: routed.select(slice(lo, hi)) for c, lo, hi in zip(classes.tolist(), cuts[:-1], cuts[1:])}
+
+    def _reaching(self, within: np.ndarray, first: np.ndarray, last: np.ndarray) -> np.ndarray:
+        """Indices of the needs whose spans ``first..last`` include one of ``within`` (sorted)."""
+        after = np.searchsorted(within, first)  # the first span of within at or after each need's first
+        padded = np.append(within, len(self))  # past every span: "none after"
+        return np.flatnonzero(padded[after] <= last)
+
+    def _parts(self, needs: Needs, index: np.ndarray, group: np.ndarray | None = None) -> tuple[Routed, np.ndarray]:
+        """The byte ranges of ``needs`` (need ``i`` known as ``index[i]``) in stream order, split
+        where spans meet; with ``group`` (per need, ascending), each group's stream after the
+        previous one's. Also, per part, its need's position in ``needs``."""
+        table = self.table
+        need, start, length, offset = needs.byte_runs(table)
+        file = table.file[needs.tensor][need]
+        keys = (start, file) if group is None else (start, file, group[need])
+        order = np.lexsort(keys)  # stable: ties keep need order
+        need = need[order]
+        routed, at = self._split(file[order], start[order], start[order] + length[order], index[need], offset[order])
+        return routed, need[at]
 
     def senders(self, rank: int, routed: Routed) -> np.ndarray:
         """Who sends ``rank`` each part of ``routed`` (its own route, or a twin's: the same): the
         span's owner, or for a class of twins the previous twin in the span's chain (cyclically,
         starting after the owner when it is a twin, else at the head: the twin on the owner's node,
         else the one the span index picks). ``rank`` itself for bytes of its own spans."""
-        members = self._members[int(self.twins[rank])]
-        count = len(members)
-        owner = routed.owner
-        if count == 1:
+        return self._senders(rank, routed.owner, self._chain(int(self.twins[rank]), routed))
+
+    def _chain(self, twins: int, routed: Routed) -> tuple[np.ndarray, np.ndarray] | None:
+        """What the senders of a route of class ``twins`` share across the class: per part, whether
+        its owner is a twin and which twin the owner sends it to (:meth:`_head`); ``None`` for a
+        class of one (its owners send it everything)."""
+        members = self._members[twins]
+        if len(members) == 1:
+            return None
+        return np.isin(routed.owner, members), self._head(routed.span, members)
+
+    def _senders(self, rank: int, owner: np.ndarray, chain: tuple[np.ndarray, np.ndarray] | None) -> np.ndarray:
+        """:meth:`senders` from the route's ``owner`` s and its class's :meth:`_chain`."""
+        if chain is None:
             return owner
+        members = self._members[int(self.twins[rank])]
         at = int(np.searchsorted(members, rank))
-        previous = members[(at - 1) % count]
-        inside = np.isin(owner, members, assume_unique=False)
-        head = self._head(routed.span, members)
+        previous = members[(at - 1) % len(members)]
+        inside, head = chain
         return np.where(owner == rank, rank, np.where(~inside & (head == at), owner, previous))
 
     def _head(self, spans: np.ndarray, members: np.ndarray) -> np.ndarray:
@@ -214,8 +267,9 @@ class ClusterPlan:
     def _keys(self) -> np.ndarray:
         return byte_key(self.file, self.start)
 
-    def _split(self, file, start, end, need, offset) -> Routed:
-        """Each range cut where it crosses a span boundary, with its span and owner."""
+    def _split(self, file, start, end, need, offset) -> tuple[Routed, np.ndarray]:
+        """Each range cut where it crosses a span boundary, with its span and owner; and per part,
+        the range it came from."""
         keys = self._keys
         first = np.searchsorted(keys, byte_key(file, start), side="right") - 1
         last = np.searchsorted(keys, byte_key(file, end - 1), side="right") - 1
@@ -223,10 +277,10 @@ class ClusterPlan:
             raise ValueError("a needed byte range lies outside every span: the plan was built from other needs")
         counts = last - first + 1
         if bool((counts == 1).all()):
-            return Routed(self.owner[first], first, file, start, end, need, offset)
+            return Routed(self.owner[first], first, file, start, end, need, offset), np.arange(len(first))
         span, at = _ranges(first, counts), np.repeat(np.arange(len(first)), counts)
         lo, hi = np.maximum(start[at], self.start[span]), np.minimum(end[at], self.end[span])
-        return Routed(self.owner[span], span, file[at], lo, hi, need[at], offset[at] + lo - start[at])
+        return Routed(self.owner[span], span, file[at], lo, hi, need[at], offset[at] + lo - start[at]), at
 
 
 def twin_classes(needs_by_rank: Sequence[Needs]) -> tuple[np.ndarray, list[int]]:
@@ -270,15 +324,16 @@ def _touching(keys: np.ndarray, first: np.ndarray, last: np.ndarray) -> tuple[np
     return lo, hi
 
 
-def _needers(lows: np.ndarray, highs: np.ndarray, first: np.ndarray, last: np.ndarray, rank: np.ndarray
-             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _needers(lows: np.ndarray, highs: np.ndarray, first: np.ndarray, last: np.ndarray,
+             touched: tuple[np.ndarray, np.ndarray], rank: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per span (``[lows, highs)``, keys), the ranks needing bytes in it and about how many (the
     extents ``first``, ``last`` of every rank's needs, need ``i`` of rank ``rank[i]``, inside the
     span: a preference for owners, not an exact count), as ``(indptr, ranks, nbytes)``: span
-    ``s``'s are ``ranks[indptr[s]:indptr[s+1]]``."""
+    ``s``'s are ``ranks[indptr[s]:indptr[s+1]]``. ``touched``: the spans each need may touch
+    (:func:`_touching`)."""
     if not len(lows) or not len(first):
         return np.zeros(len(lows) + 1, dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-    lo, hi = _touching(lows, first, last)
+    lo, hi = touched
     counts = hi - lo + 1
     at = np.repeat(np.arange(len(lo)), counts)
     span = _ranges(lo, counts)
@@ -394,25 +449,33 @@ def _assign(sizes: np.ndarray, indptr: np.ndarray, needers: np.ndarray, needed: 
     within = total - before <= fair
     owners[sole[within]] = needer[within]
     load = np.bincount(needer[within], weights=sizes[sole[within]], minlength=world).astype(np.int64)
-    for span in np.flatnonzero(owners < 0).tolist():
-        size = int(sizes[span])
-        candidates = needers[indptr[span] : indptr[span + 1]]
-        owner = -1
-        if len(candidates):
-            fits = load[candidates] + size <= fair
-            if fits.any():
-                # most needed bytes first, then the least loaded
-                order = np.lexsort((load[candidates][fits], -needed[indptr[span] : indptr[span + 1]][fits]))
-                owner = candidates[fits][order[0]]
-            else:
-                local = np.flatnonzero(np.isin(nodes, nodes[candidates]))
-                best = local[np.argmin(load[local])]
-                owner = best if load[best] + size <= fair else -1
-        if owner < 0:
-            owner = int(np.argmin(load))
+    rest = np.flatnonzero(owners < 0)
+    counts = indptr[rest + 1] - indptr[rest]
+    listed = _ranges(indptr[rest], counts)  # the rest's needers as lists: a span at a time, numpy costs more
+    ranks, wanted, bounds = needers[listed].tolist(), needed[listed].tolist(), np.cumsum(counts).tolist()
+    lo = 0
+    for span, size, hi in zip(rest.tolist(), sizes[rest].tolist(), bounds):
+        owner = _preferred(load, ranks[lo:hi], wanted[lo:hi], size, fair, nodes)
         owners[span] = owner
         load[owner] += size
+        lo = hi
     return owners
+
+
+def _preferred(load: np.ndarray, candidates: list[int], wanted: list[int], size: int, fair: float,
+               nodes: np.ndarray) -> int:
+    """The owner of a span of ``size`` bytes that ``candidates`` need (about ``wanted`` bytes each),
+    as :func:`_assign` picks it given every rank's ``load``."""
+    if candidates:
+        loads = load[candidates].tolist()
+        fitting = [i for i, held in enumerate(loads) if held + size <= fair]
+        if fitting:  # most needed bytes first, then the least loaded, then the first
+            return candidates[min(fitting, key=lambda i: (-wanted[i], loads[i]))]
+        local = np.flatnonzero(np.isin(nodes, nodes[candidates]))
+        best = int(local[np.argmin(load[local])])
+        if load[best] + size <= fair:
+            return best
+    return int(np.argmin(load))
 
 
 @dataclass(frozen=True)
