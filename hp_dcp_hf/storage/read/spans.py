@@ -451,26 +451,43 @@ def _assign(sizes: np.ndarray, indptr: np.ndarray, needers: np.ndarray, needed: 
     load = np.bincount(needer[within], weights=sizes[sole[within]], minlength=world).astype(np.int64)
     rest = np.flatnonzero(owners < 0)
     counts = indptr[rest + 1] - indptr[rest]
-    listed = _ranges(indptr[rest], counts)  # the rest's needers as lists: a span at a time, numpy costs more
+    listed = _ranges(indptr[rest], counts)
+    # each span's needers by most needed bytes first (stably: then in rank order), as lists: the
+    # loop below looks at a few of them per span, where numpy costs more than the work
+    listed = listed[np.lexsort((-needed[listed], np.repeat(np.arange(len(rest)), counts)))]
     ranks, wanted, bounds = needers[listed].tolist(), needed[listed].tolist(), np.cumsum(counts).tolist()
+    held = load.tolist()
     lo = 0
     for span, size, hi in zip(rest.tolist(), sizes[rest].tolist(), bounds):
-        owner = _preferred(load, ranks[lo:hi], wanted[lo:hi], size, fair, nodes)
+        owner = _preferred(held, ranks, wanted, lo, hi, size, fair)
+        if owner < 0:
+            owner = _fallback(load, ranks[lo:hi], size, fair, nodes)
         owners[span] = owner
         load[owner] += size
+        held[owner] += size
         lo = hi
     return owners
 
 
-def _preferred(load: np.ndarray, candidates: list[int], wanted: list[int], size: int, fair: float,
-               nodes: np.ndarray) -> int:
-    """The owner of a span of ``size`` bytes that ``candidates`` need (about ``wanted`` bytes each),
-    as :func:`_assign` picks it given every rank's ``load``."""
+def _preferred(held: list[int], ranks: list[int], wanted: list[int], lo: int, hi: int, size: int, fair: float
+               ) -> int:
+    """Of the span's needers ``ranks[lo:hi]`` (most needed bytes ``wanted`` first), the first of
+    the least loaded among those needing most while within ``fair`` after ``size`` more bytes;
+    -1 when none fits."""
+    best, least, most = -1, 0, 0
+    for i in range(lo, hi):
+        rank = ranks[i]
+        if best >= 0 and wanted[i] != most:
+            break
+        if held[rank] + size <= fair and (best < 0 or held[rank] < least):
+            best, least, most = rank, held[rank], wanted[i]
+    return best
+
+
+def _fallback(load: np.ndarray, candidates: list[int], size: int, fair: float, nodes: np.ndarray) -> int:
+    """The owner of a span no needer of which (``candidates``) can take within ``fair``: the least
+    loaded rank on a node that needs it if it can, else the least loaded rank."""
     if candidates:
-        loads = load[candidates].tolist()
-        fitting = [i for i, held in enumerate(loads) if held + size <= fair]
-        if fitting:  # most needed bytes first, then the least loaded, then the first
-            return candidates[min(fitting, key=lambda i: (-wanted[i], loads[i]))]
         local = np.flatnonzero(np.isin(nodes, nodes[candidates]))
         best = int(local[np.argmin(load[local])])
         if load[best] + size <= fair:
