@@ -49,7 +49,7 @@ from hp_dcp_hf.storage.read.needs import (
     table_of,
 )
 from hp_dcp_hf.storage.read.routing import Routed
-from hp_dcp_hf.storage.read.union import concatenated, merge, union_of
+from hp_dcp_hf.storage.read.union import concatenated, consecutive, merge, union_of
 
 SPAN_BYTES = 8 * 2**20
 """Smallest span where the needed bytes run that long: a request moves several MiB per round trip."""
@@ -145,7 +145,7 @@ class ClusterPlan:
     def needing(self, spans: np.ndarray) -> np.ndarray:
         """The ranks that may need bytes of ``spans`` (sorted): the only ones their owner routes."""
         indptr, ranks = self.needers
-        return np.unique(ranks[_ranges(indptr[spans], indptr[spans + 1] - indptr[spans])])
+        return np.unique(ranks[consecutive(indptr[spans], indptr[spans + 1] - indptr[spans])])
 
     def owned(self, rank: int) -> np.ndarray:
         """Indices of the spans ``rank`` reads, in file order."""
@@ -192,7 +192,7 @@ class ClusterPlan:
     def _routes_within(self, classes: np.ndarray, within: np.ndarray) -> dict[int, Routed]:
         """:meth:`route` of every class of twins in ``classes`` (sorted) into ``within`` (sorted), at once."""
         bounds = self.bounds
-        rows = _ranges(bounds[classes], bounds[classes + 1] - bounds[classes])
+        rows = consecutive(bounds[classes], bounds[classes + 1] - bounds[classes])
         first, last = self.touched
         rows = rows[self._reaching(within, first[rows], last[rows])]
         group = np.searchsorted(bounds, rows, side="right") - 1
@@ -278,7 +278,7 @@ class ClusterPlan:
         counts = last - first + 1
         if bool((counts == 1).all()):
             return Routed(self.owner[first], first, file, start, end, need, offset), np.arange(len(first))
-        span, at = _ranges(first, counts), np.repeat(np.arange(len(first)), counts)
+        span, at = consecutive(first, counts), np.repeat(np.arange(len(first)), counts)
         lo, hi = np.maximum(start[at], self.start[span]), np.minimum(end[at], self.end[span])
         return Routed(self.owner[span], span, file[at], lo, hi, need[at], offset[at] + lo - start[at]), at
 
@@ -304,7 +304,7 @@ def _expand(indptr: np.ndarray, classes: np.ndarray, nbytes: np.ndarray, twins: 
     sizes = np.bincount(twins, minlength=int(classes.max(initial=-1)) + 1)
     starts = np.concatenate(([0], np.cumsum(sizes)))
     counts = sizes[classes]
-    ranks = order[_ranges(starts[classes], counts)]
+    ranks = order[consecutive(starts[classes], counts)]
     span = np.repeat(np.repeat(np.arange(len(indptr) - 1), np.diff(indptr)), counts)
     weight = np.repeat(nbytes, counts)
     sort = np.lexsort((ranks, span))
@@ -336,7 +336,7 @@ def _needers(lows: np.ndarray, highs: np.ndarray, first: np.ndarray, last: np.nd
     lo, hi = touched
     counts = hi - lo + 1
     at = np.repeat(np.arange(len(lo)), counts)
-    span = _ranges(lo, counts)
+    span = consecutive(lo, counts)
     inside = np.maximum(np.minimum(last[at], highs[span]) - np.maximum(first[at], lows[span]), 0)
     # one pair per (span, rank): rank-major keys come (nearly) sorted, needs being in byte order
     pair = rank[at] * len(lows) + span
@@ -347,11 +347,6 @@ def _needers(lows: np.ndarray, highs: np.ndarray, first: np.ndarray, last: np.nd
     order = np.argsort(pair % len(lows), kind="stable")  # by span, ranks ascending within one
     spans, ranks, nbytes = pair[order] % len(lows), pair[order] // len(lows), nbytes[order]
     return np.searchsorted(spans, np.arange(len(lows) + 1)), ranks, nbytes
-
-
-def _ranges(first: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """``first[i], first[i] + 1, ...`` (``counts[i]`` of them) for every ``i``, concatenated."""
-    return np.repeat(first - np.cumsum(counts) + counts, counts) + np.arange(int(counts.sum()))
 
 
 def _keyed(ranges_by_file: Sequence[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
@@ -414,7 +409,7 @@ def _cut(lo: np.ndarray, hi: np.ndarray, bounds: np.ndarray, target: int) -> tup
     count = np.maximum(1, np.rint((piece_hi - piece_lo) / target)).astype(np.int64)
     extra = count - 1
     piece = np.repeat(np.arange(len(piece_lo)), extra)
-    step = _ranges(np.ones(len(extra), dtype=np.int64), extra)
+    step = consecutive(np.ones(len(extra), dtype=np.int64), extra)
     inner = _page_floor(piece_lo[piece] + (piece_hi - piece_lo)[piece] * step // count[piece])
     inner = np.unique(inner[(inner > piece_lo[piece]) & (inner < piece_hi[piece])])
     return np.sort(np.concatenate([piece_lo, inner])), np.sort(np.concatenate([piece_hi, inner]))
@@ -451,7 +446,7 @@ def _assign(sizes: np.ndarray, indptr: np.ndarray, needers: np.ndarray, needed: 
     load = np.bincount(needer[within], weights=sizes[sole[within]], minlength=world).astype(np.int64)
     rest = np.flatnonzero(owners < 0)
     counts = indptr[rest + 1] - indptr[rest]
-    listed = _ranges(indptr[rest], counts)
+    listed = consecutive(indptr[rest], counts)
     # each span's needers by most needed bytes first (stably: then in rank order), as lists: the
     # loop below looks at a few of them per span, where numpy costs more than the work
     listed = listed[np.lexsort((-needed[listed], np.repeat(np.arange(len(rest)), counts)))]

@@ -7,7 +7,6 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from hp_dcp_hf.storage.format.ranges import box_byte_runs
 from hp_dcp_hf.storage.read.needs import Need, Needs, StoredTensor, Tensors, table_of
 
 
@@ -78,39 +77,48 @@ def union_of(table: Tensors, needs: Needs, first: np.ndarray, last: np.ndarray, 
     empty = np.zeros(0, dtype=np.int64)
     if not len(needs):
         return [(empty, empty) for _ in range(files)]
-    rows = needs.rows
-    # In byte order (tensors never share a first byte), identical boxes side by side, then dropped.
-    mix = np.power(1_000_003, np.arange(table.ndim), dtype=np.int64)  # sizes folded into one key (may wrap)
-    order = np.lexsort(((needs.sizes * mix).sum(1), first))
-    rows, first, last = rows[order], first[order], last[order]
-    duplicate = (first[1:] == first[:-1]) & (rows[1:, 1 + table.ndim :] == rows[:-1, 1 + table.ndim :]).all(1)
+    rows, ndim = needs.rows, table.ndim
+    order = _byte_order(needs, first)
+    sizes = [rows[:, 1 + ndim + d][order] for d in range(ndim)]
+    first = first[order]
+    duplicate = np.logical_and.reduce([first[1:] == first[:-1], *(s[1:] == s[:-1] for s in sizes)])
     keep = np.concatenate(([True], ~duplicate))
-    distinct = Needs.from_rows(rows[keep], table)
-    first, last = first[keep], last[keep]
-    numel = distinct.sizes.prod(1)
-    groups = np.concatenate(([0], np.flatnonzero(np.diff(distinct.tensor)) + 1))
-    tensor = distinct.tensor[groups]
+    index = order[keep]  # the distinct boxes in byte order, as rows of needs
+    first, last, tensors = first[keep], last[index], rows[:, 0][index]
+    numel = np.multiply.reduce([s[keep] for s in sizes])
+    groups = np.concatenate(([0], np.flatnonzero(np.diff(tensors)) + 1))
+    tensor = tensors[groups]
     reach = np.maximum.accumulate(last)
-    overlaps = np.concatenate(([False], (first[1:] < reach[:-1]) & (distinct.tensor[1:] == distinct.tensor[:-1])))
+    overlaps = np.concatenate(([False], (first[1:] < reach[:-1]) & (tensors[1:] == tensors[:-1])))
     whole = ((np.add.reduceat(numel, groups) == table.shape[tensor].prod(1))
              & ~np.add.reduceat(overlaps, groups).astype(bool))
-    bounds = [*groups.tolist(), len(distinct)]
+    bounds = np.append(groups, len(index))
     for g in np.flatnonzero(~whole).tolist():  # the rest: a grid, or listed range by range
-        lo, hi, index = bounds[g], bounds[g + 1], int(tensor[g])
-        whole[g] = _tiles(distinct.offsets[lo:hi], distinct.sizes[lo:hi], table.shape[index])
+        box = rows[index[bounds[g] : bounds[g + 1]]]
+        whole[g] = _tiles(box[:, 1 : 1 + ndim], box[:, 1 + ndim :], table.shape[tensor[g]])
     full = tensor[whole]
-    starts = [table.data_start[full]]
-    ends = [table.data_start[full] + table.nbytes[full]]
-    owners = [table.file[full]]
-    for g in np.flatnonzero(~whole).tolist():
-        index = int(tensor[g])
-        stored, base = table.stored[index], int(table.data_start[index])
-        for i in range(bounds[g], bounds[g + 1]):
-            runs_, run = box_byte_runs(stored.shape, stored.itemsize, distinct.box(i, table))
-            starts.append(runs_ + base)
-            ends.append(runs_ + base + run)
-            owners.append(np.full(len(runs_), stored.file, dtype=np.int64))
-    start, end, file = np.concatenate(starts), np.concatenate(ends), np.concatenate(owners)
+    lo = bounds[:-1][~whole]
+    listed = Needs.from_rows(rows[index[consecutive(lo, bounds[1:][~whole] - lo)]], table)
+    need, begin, length, _ = listed.byte_runs(table)
+    start = np.concatenate((table.data_start[full], begin))
+    end = np.concatenate((table.data_start[full] + table.nbytes[full], begin + length))
+    file = np.concatenate((table.file[full], table.file[listed.tensor[need]]))
     return [merge(start[file == f], end[file == f], 0) for f in range(files)]
 
 
+def _byte_order(needs: Needs, first: np.ndarray) -> np.ndarray:
+    """The order of ``needs`` by first byte (tensors never share one), identical boxes side by
+    side: a stable sort, which merges the runs each rank's needs in byte order make; by size too
+    only where boxes of one first byte differ in size."""
+    order = np.argsort(first, kind="stable")
+    tied = np.flatnonzero(first[order][1:] == first[order][:-1])
+    sizes = needs.sizes
+    if np.any(sizes[order[tied]] != sizes[order[tied + 1]]):
+        mix = np.power(1_000_003, np.arange(sizes.shape[1]), dtype=np.int64)  # sizes folded into one key (may wrap)
+        order = np.lexsort(((sizes * mix).sum(1), first))
+    return order
+
+
+def consecutive(first: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """``first[i], first[i] + 1, ...`` (``counts[i]`` of them) for every ``i``, concatenated."""
+    return np.repeat(first - np.cumsum(counts) + counts, counts) + np.arange(int(counts.sum()))
