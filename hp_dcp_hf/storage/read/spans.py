@@ -115,24 +115,20 @@ class ClusterPlan:
         population = np.bincount(twins, minlength=len(distinct))
         every = concatenated([needs_by_rank[r] for r in distinct], table)
         first, last = every.extents(table)
-        union = union_of(table, every, first, last, len(files))
+        order = np.argsort(first, kind="stable")  # cheap: each rank's needs are a run in byte order
+        union = union_of(table, every, first, last, len(files), order)
         bounds = np.cumsum([0, *(len(needs_by_rank[r]) for r in distinct)])
-        # a class of several twins never needs a stretch alone
-        extents = [(first[lo:hi], last[lo:hi]) if hi > lo and population[c] == 1 else None
-                   for c, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:]))]
+        group = np.repeat(np.arange(len(distinct)), np.diff(bounds))  # each need's class of twins
         total = sum(int((e - s).sum()) for s, e in union)
         # about a sixteenth of a rank's share: owners balance to within that (a span's requests
         # are cut to the reader's size whatever its length)
         target = max(span_bytes, min(MAX_SPAN_BYTES, -(-total // (16 * world))))
-        others = [(first[lo:hi], last[lo:hi]) for c, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:]))
-                  if hi > lo and population[c] > 1]
         lows, highs = _cut(*_keyed([merge(starts, ends, gap) for starts, ends in union]),
-                           _sole_stretches(extents, others), target)
+                           _sole_stretches(first, last, group, population == 1), target)
         needed_lo, needed_hi = _keyed(union)
         needed = _covered(needed_lo, needed_hi, highs) - _covered(needed_lo, needed_hi, lows)
-        touched = _touching(lows, first, last)
-        indptr, classes, nbytes = _needers(lows, highs, first, last, touched,
-                                           np.repeat(np.arange(len(distinct)), np.diff(bounds)))
+        touched = _touching(lows, first, last, order)
+        indptr, classes, nbytes = _needers(lows, highs, first, last, touched, group)
         indptr, needers, nbytes = _expand(indptr, classes, nbytes, twins)
         node_of = np.asarray(nodes if nodes is not None else range(world), dtype=np.int64)
         owner = _assign(highs - lows, indptr, needers, nbytes, node_of, target)
@@ -316,9 +312,15 @@ def _page_floor(positions: np.ndarray) -> np.ndarray:
     return positions - positions % _PAGE
 
 
-def _touching(keys: np.ndarray, first: np.ndarray, last: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _touching(keys: np.ndarray, first: np.ndarray, last: np.ndarray, order: np.ndarray | None = None
+              ) -> tuple[np.ndarray, np.ndarray]:
     """For byte extents (keys), the first and last span (of those starting at ``keys``) they may
-    touch, clipped to the plan."""
+    touch, clipped to the plan. ``order``: a sort of ``first``, if known (a million binary
+    searches in order hit the cache)."""
+    if order is not None:
+        lo, hi = np.empty_like(first), np.empty_like(first)
+        lo[order], hi[order] = _touching(keys, first[order], last[order])
+        return lo, hi
     lo = np.clip(np.searchsorted(keys, first, side="right") - 1, 0, max(len(keys) - 1, 0))
     hi = np.clip(np.searchsorted(keys, last - 1, side="right") - 1, lo, max(len(keys) - 1, 0))
     return lo, hi
@@ -356,30 +358,27 @@ def _keyed(ranges_by_file: Sequence[tuple[np.ndarray, np.ndarray]]) -> tuple[np.
             np.concatenate([empty, *(byte_key(f, ends) for f, (_, ends) in enumerate(ranges_by_file))]))
 
 
-def _sole_stretches(extents: Sequence[tuple[np.ndarray, np.ndarray] | None],
-                    shared: Sequence[tuple[np.ndarray, np.ndarray]] = ()) -> np.ndarray:
+def _sole_stretches(first: np.ndarray, last: np.ndarray, group: np.ndarray, alone: np.ndarray) -> np.ndarray:
     """The bounds (keys, sorted) of the stretches of at least :data:`OWN_RUN_BYTES` that one rank's
     need extents alone cover (holes nobody's extents cover may lie inside): no other rank needs a
-    byte there. ``shared``: extents of needs several ranks have (they cover, but are nobody's alone)."""
-    bounds, deltas = [], []
-    for rank, extent in enumerate(extents):
-        if extent is None:
-            continue
-        first, last = merge(*extent, 0)  # a rank's own overlapping boxes count once
-        bounds += [first, last]
-        deltas += [np.full(len(first), 1 + rank * 2**20, dtype=np.int64),
-                   np.full(len(last), -1 - rank * 2**20, dtype=np.int64)]
-    for extent in shared:  # as two ranks: never depth one
-        first, last = merge(*extent, 0)
-        bounds += [first, last]
-        deltas += [np.full(len(first), 2, dtype=np.int64), np.full(len(last), -2, dtype=np.int64)]
-    if not bounds:
+    byte there. Need ``i`` (extent ``first[i]``, ``last[i]``) is of class of twins ``group[i]``
+    (ascending); ``alone[c]``: class ``c`` is one rank (the extents of a class of several cover,
+    but are nobody's alone)."""
+    if not len(first):
         return np.zeros(0, dtype=np.int64)
-    keys = np.concatenate(bounds)
+    if np.any((group[1:] == group[:-1]) & (first[1:] < first[:-1])):
+        order = np.lexsort((first, group))
+        first, last, group = first[order], last[order], group[order]
+    # a class's own overlapping boxes count once: its extents merged
+    reach = _running_max(last, group)
+    starts = np.flatnonzero(np.concatenate(([True], (group[1:] != group[:-1]) | (first[1:] > reach[:-1]))))
+    label = group[starts]
+    weight = np.where(alone[label], 1 + label * 2**20, 2)  # a class of several as two ranks: never depth one
+    keys = np.concatenate((first[starts], reach[np.append(starts[1:], len(first)) - 1]))
     order = np.argsort(keys, kind="stable")
     keys = keys[order]
     # per segment between consecutive keys: how many ranks cover it and, where one does, which
-    cover = np.cumsum(np.concatenate(deltas)[order])[:-1]
+    cover = np.cumsum(np.concatenate((weight, -weight))[order])[:-1]
     depth, rank = cover % 2**20, cover // 2**20
     covered = np.flatnonzero((depth > 0) & (keys[1:] > keys[:-1]))
     label = np.where(depth[covered] == 1, rank[covered], -1)
@@ -389,6 +388,20 @@ def _sole_stretches(extents: Sequence[tuple[np.ndarray, np.ndarray] | None],
     lo, hi = keys[covered[groups]], keys[covered[np.append(groups[1:], len(covered)) - 1] + 1]
     keep = (label[groups] >= 0) & (hi - lo >= OWN_RUN_BYTES)
     return np.unique(np.concatenate([lo[keep], hi[keep]]))
+
+
+def _running_max(values: np.ndarray, group: np.ndarray) -> np.ndarray:
+    """Per position, the largest of ``values`` up to it within its group (groups contiguous), by
+    doubling steps, stopping at the first step that changes nothing (then none would)."""
+    out, step = values, 1
+    while step < len(out):
+        before = out[:-step]
+        later = (group[step:] == group[:-step]) & (before > out[step:])
+        if not later.any():
+            break
+        out = np.concatenate((out[:step], np.where(later, before, out[step:])))
+        step *= 2
+    return out
 
 
 def _cut(lo: np.ndarray, hi: np.ndarray, bounds: np.ndarray, target: int) -> tuple[np.ndarray, np.ndarray]:

@@ -71,21 +71,17 @@ def concatenated(needs_by_rank: Sequence[Needs], table: Tensors) -> Needs:
                            table)
 
 
-def union_of(table: Tensors, needs: Needs, first: np.ndarray, last: np.ndarray, files: int
-           ) -> list[tuple[np.ndarray, np.ndarray]]:
-    """:func:`needed_union` of every rank's ``needs`` together, their extents ``first``, ``last``."""
+def union_of(table: Tensors, needs: Needs, first: np.ndarray, last: np.ndarray, files: int,
+             order: np.ndarray | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
+    """:func:`needed_union` of every rank's ``needs`` together, their extents ``first``, ``last``
+    (``order``: a stable sort of ``first``, when known)."""
     empty = np.zeros(0, dtype=np.int64)
     if not len(needs):
         return [(empty, empty) for _ in range(files)]
     rows, ndim = needs.rows, table.ndim
-    order = _byte_order(needs, first)
-    sizes = [rows[:, 1 + ndim + d][order] for d in range(ndim)]
-    first = first[order]
-    duplicate = np.logical_and.reduce([first[1:] == first[:-1], *(s[1:] == s[:-1] for s in sizes)])
-    keep = np.concatenate(([True], ~duplicate))
-    index = order[keep]  # the distinct boxes in byte order, as rows of needs
-    first, last, tensors = first[keep], last[index], rows[:, 0][index]
-    numel = np.multiply.reduce([s[keep] for s in sizes])
+    index = _distinct_in_byte_order(needs, first, np.argsort(first, kind="stable") if order is None else order)
+    first, last, tensors = first[index], last[index], rows[:, 0][index]
+    numel = np.multiply.reduce([rows[:, 1 + ndim + d][index] for d in range(ndim)])
     groups = np.concatenate(([0], np.flatnonzero(np.diff(tensors)) + 1))
     tensor = tensors[groups]
     reach = np.maximum.accumulate(last)
@@ -106,17 +102,28 @@ def union_of(table: Tensors, needs: Needs, first: np.ndarray, last: np.ndarray, 
     return [merge(start[file == f], end[file == f], 0) for f in range(files)]
 
 
-def _byte_order(needs: Needs, first: np.ndarray) -> np.ndarray:
-    """The order of ``needs`` by first byte (tensors never share one), identical boxes side by
-    side: a stable sort, which merges the runs each rank's needs in byte order make; by size too
-    only where boxes of one first byte differ in size."""
-    order = np.argsort(first, kind="stable")
-    tied = np.flatnonzero(first[order][1:] == first[order][:-1])
-    sizes = needs.sizes
-    if np.any(sizes[order[tied]] != sizes[order[tied + 1]]):
+def _distinct_in_byte_order(needs: Needs, first: np.ndarray, order: np.ndarray) -> np.ndarray:
+    """The distinct boxes of ``needs`` (indices) by first byte (tensors never share one), from
+    ``order``, a stable sort of ``first`` (cheap: each rank's needs are a run in byte order), where
+    identical boxes are neighbours unless boxes of one first byte differ in size: then by size too."""
+    duplicate, mixed = _neighbours(needs, first, order)
+    if mixed:
+        sizes = needs.sizes
         mix = np.power(1_000_003, np.arange(sizes.shape[1]), dtype=np.int64)  # sizes folded into one key (may wrap)
         order = np.lexsort(((sizes * mix).sum(1), first))
-    return order
+        duplicate, _ = _neighbours(needs, first, order)
+    return order[np.concatenate(([True], ~duplicate))]
+
+
+def _neighbours(needs: Needs, first: np.ndarray, order: np.ndarray) -> tuple[np.ndarray, bool]:
+    """Per pair of neighbours in ``order``, whether they are the same box; and whether any two of
+    one first byte differ in size. Column by column: numpy compares short rows slowly."""
+    first = first[order]
+    same = first[1:] == first[:-1]
+    columns = needs.rows.shape[1] // 2
+    sized = np.logical_and.reduce([(c[1:] == c[:-1]) for c in (needs.rows[:, 1 + columns + d][order]
+                                                                for d in range(columns))])
+    return same & sized, bool(np.any(same & ~sized))
 
 
 def consecutive(first: np.ndarray, counts: np.ndarray) -> np.ndarray:
