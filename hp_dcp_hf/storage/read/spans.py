@@ -296,6 +296,8 @@ def twin_classes(needs_by_rank: Sequence[Needs]) -> tuple[np.ndarray, list[int]]
 def _expand(indptr: np.ndarray, classes: np.ndarray, nbytes: np.ndarray, twins: np.ndarray
             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per-span classes of twins (CSR, as :func:`_needers` gives them) as per-span ranks, ascending."""
+    if np.array_equal(twins, np.arange(len(twins))):  # no twins: class c is rank c
+        return indptr, classes, nbytes
     order = np.argsort(twins, kind="stable")
     sizes = np.bincount(twins, minlength=int(classes.max(initial=-1)) + 1)
     starts = np.concatenate(([0], np.cumsum(sizes)))
@@ -462,14 +464,18 @@ def _assign(sizes: np.ndarray, indptr: np.ndarray, needers: np.ndarray, needed: 
     listed = consecutive(indptr[rest], counts)
     # each span's needers by most needed bytes first (stably: then in rank order), as lists: the
     # loop below looks at a few of them per span, where numpy costs more than the work
-    listed = listed[np.lexsort((-needed[listed], np.repeat(np.arange(len(rest)), counts)))]
-    ranks, wanted, bounds = needers[listed].tolist(), needed[listed].tolist(), np.cumsum(counts).tolist()
+    span = np.repeat(np.arange(len(rest)), counts)
+    listed = listed[np.lexsort((-needed[listed], span))]
+    ranks, wanted = needers[listed], needed[listed]
+    ends = np.append(np.flatnonzero((span[1:] != span[:-1]) | (wanted[1:] != wanted[:-1])) + 1, len(listed))
+    level = (ranks, ranks.tolist(), np.repeat(ends, np.diff(ends, prepend=0)).tolist())
     held = load.tolist()
+    node = np.unique(nodes, return_inverse=True)[1].reshape(-1)
     lo = 0
-    for span, size, hi in zip(rest.tolist(), sizes[rest].tolist(), bounds):
-        owner = _preferred(held, ranks, wanted, lo, hi, size, fair)
+    for span, size, hi in zip(rest.tolist(), sizes[rest].tolist(), np.cumsum(counts).tolist()):
+        owner = _preferred(load, held, level, lo, hi, size, fair)
         if owner < 0:
-            owner = _fallback(load, ranks[lo:hi], size, fair, nodes)
+            owner = _fallback(load, level[1][lo:hi], size, fair, node)
         owners[span] = owner
         load[owner] += size
         held[owner] += size
@@ -477,26 +483,33 @@ def _assign(sizes: np.ndarray, indptr: np.ndarray, needers: np.ndarray, needed: 
     return owners
 
 
-def _preferred(held: list[int], ranks: list[int], wanted: list[int], lo: int, hi: int, size: int, fair: float
-               ) -> int:
-    """Of the span's needers ``ranks[lo:hi]`` (most needed bytes ``wanted`` first), the first of
-    the least loaded among those needing most while within ``fair`` after ``size`` more bytes;
-    -1 when none fits."""
-    best, least, most = -1, 0, 0
+def _preferred(load: np.ndarray, held: list[int], level: tuple[np.ndarray, list[int], list[int]], lo: int, hi: int,
+               size: int, fair: float) -> int:
+    """Of a span's needers ``level[0][lo:hi]`` (most needed bytes first; ``level[1]`` the same as a
+    list; ``level[2][i]``: where the needers needing as much as the ``i`` th end), the first of the
+    least loaded among those needing most while within ``fair`` after ``size`` more bytes (each
+    rank's ``load``, ``held`` as a list); -1 when none fits."""
+    ranks, listed, ends = level
     for i in range(lo, hi):
-        rank = ranks[i]
-        if best >= 0 and wanted[i] != most:
+        if held[listed[i]] + size <= fair:
             break
-        if held[rank] + size <= fair and (best < 0 or held[rank] < least):
-            best, least, most = rank, held[rank], wanted[i]
-    return best
+    else:
+        return -1
+    end = ends[i]
+    if end - i <= 16:  # a few: as lists
+        return listed[min((held[listed[j]], j) for j in range(i, end) if held[listed[j]] + size <= fair)[1]]
+    loads = load[ranks[i:end]]
+    return int(ranks[i + int(np.argmin(np.where(loads + size <= fair, loads, np.iinfo(np.int64).max)))])
 
 
 def _fallback(load: np.ndarray, candidates: list[int], size: int, fair: float, nodes: np.ndarray) -> int:
     """The owner of a span no needer of which (``candidates``) can take within ``fair``: the least
-    loaded rank on a node that needs it if it can, else the least loaded rank."""
+    loaded rank on a node that needs it if it can, else the least loaded rank. ``nodes``: each
+    rank's node, numbered from 0."""
     if candidates:
-        local = np.flatnonzero(np.isin(nodes, nodes[candidates]))
+        needing = np.zeros(int(nodes.max()) + 1, dtype=bool)
+        needing[nodes[candidates]] = True
+        local = np.flatnonzero(needing[nodes])
         best = int(local[np.argmin(load[local])])
         if load[best] + size <= fair:
             return best
