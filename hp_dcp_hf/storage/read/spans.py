@@ -389,7 +389,7 @@ def _sole_stretches(first: np.ndarray, last: np.ndarray, group: np.ndarray, alon
     groups = np.flatnonzero(new)
     lo, hi = keys[covered[groups]], keys[covered[np.append(groups[1:], len(covered)) - 1] + 1]
     keep = (label[groups] >= 0) & (hi - lo >= OWN_RUN_BYTES)
-    return np.unique(np.concatenate([lo[keep], hi[keep]]))
+    return _sorted_distinct(np.concatenate([lo[keep], hi[keep]]))
 
 
 def _running_max(values: np.ndarray, group: np.ndarray) -> np.ndarray:
@@ -419,15 +419,24 @@ def _cut(lo: np.ndarray, hi: np.ndarray, bounds: np.ndarray, target: int) -> tup
     same = np.concatenate(([False], run[1:] == run[:-1]))
     before = np.where(same, np.concatenate(([0], bounds[:-1])), lo[run])
     keep = (bounds - before >= OWN_RUN_BYTES) & (hi[run] - bounds >= OWN_RUN_BYTES)
-    cuts = np.unique(bounds[keep])
+    cuts = _sorted_distinct(bounds[keep])
     piece_lo, piece_hi = np.sort(np.concatenate([lo, cuts])), np.sort(np.concatenate([hi, cuts]))
     count = np.maximum(1, np.rint((piece_hi - piece_lo) / target)).astype(np.int64)
     extra = count - 1
     piece = np.repeat(np.arange(len(piece_lo)), extra)
     step = consecutive(np.ones(len(extra), dtype=np.int64), extra)
     inner = _page_floor(piece_lo[piece] + (piece_hi - piece_lo)[piece] * step // count[piece])
-    inner = np.unique(inner[(inner > piece_lo[piece]) & (inner < piece_hi[piece])])
+    inner = _sorted_distinct(inner[(inner > piece_lo[piece]) & (inner < piece_hi[piece])])
     return np.sort(np.concatenate([piece_lo, inner])), np.sort(np.concatenate([piece_hi, inner]))
+
+
+def _sorted_distinct(keys: np.ndarray) -> np.ndarray:
+    """``np.unique`` of keys that come in runs already sorted: a stable sort merges the runs, where
+    ``unique`` would hash every key."""
+    keys = np.sort(keys, kind="stable")
+    first = np.ones(len(keys), dtype=bool)
+    first[1:] = keys[1:] != keys[:-1]
+    return keys[first]
 
 
 def _covered(starts: np.ndarray, ends: np.ndarray, positions: np.ndarray) -> np.ndarray:
