@@ -379,7 +379,6 @@ def rank_spans(rank: int, mine: Any, encoded: Sequence[Any], tensors: Any, files
 def _rank_spans(rank: int, mine: Any, encoded: Sequence[Any], tensors: Any, files: Sequence[str],
                 nodes: Sequence[int]) -> tuple[Any, dict[str, float], int]:
     from hp_dcp_hf.storage.read.needs import decode_needs
-    from hp_dcp_hf.storage.read.span_reads import _sends
     from hp_dcp_hf.storage.read.spans import ClusterPlan
 
     t0 = time.perf_counter()
@@ -389,7 +388,7 @@ def _rank_spans(rank: int, mine: Any, encoded: Sequence[Any], tensors: Any, file
     t2 = time.perf_counter()
     incoming = plan.route(mine)
     t3 = time.perf_counter()
-    sends = _sends(plan, rank, needs, incoming, plan.owned(rank))
+    sends = plan.sends(rank, incoming, plan.owned(rank))
     sent = sum(routed.nbytes for routed in sends if routed is not None)
     t4 = time.perf_counter()
     seconds = {"decode_s": t1 - t0, "build_s": t2 - t1, "route_own_s": t3 - t2, "route_others_s": t4 - t3}

@@ -15,9 +15,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hp_dcp_hf.geometry.box import Box
+from hp_dcp_hf.storage.format.ranges import box_byte_runs
 from hp_dcp_hf.storage.read import spans as spans_module
 from hp_dcp_hf.storage.read.exchange import ReadProgress, Region, Stream
-from hp_dcp_hf.storage.read.needs import Need, StoredTensor, Tensors, decode_needs, encode_needs
+from hp_dcp_hf.storage.read.needs import Need, Needs, StoredTensor, Tensors, decode_needs, encode_needs
 from hp_dcp_hf.storage.read.routing import runs
 from hp_dcp_hf.storage.read.spans import ClusterPlan, traffic
 from hp_dcp_hf.storage.read.union import needed_union
@@ -208,6 +209,28 @@ def test_needs_travel_as_integers():
     assert [Need(int(decoded.tensor[i]), decoded.box(i, table)) for i in range(len(needs))] == needs
 
 
+@settings(max_examples=200, deadline=None)
+@given(_cluster())
+def test_every_needs_byte_ranges_at_once_are_each_boxs_ranges_in_order(cluster):
+    """:meth:`Needs.byte_runs` (every box of a rank at once) lists what ``box_byte_runs`` lists box by box."""
+    tensors, needs_by_rank, _ = cluster
+    table = Tensors(tensors)
+    for needs in needs_by_rank:
+        expected = []
+        for i, need in enumerate(needs):
+            t = tensors[need.tensor]
+            starts, run = box_byte_runs(t.shape, t.itemsize, need.box)
+            expected += [(i, t.data_start + s, run, k * run) for k, s in enumerate(starts.tolist())]
+        got = Needs.of(needs, table).byte_runs(table)
+        assert list(zip(*(a.tolist() for a in got))) == expected
+
+
+def test_a_box_outside_its_tensor_is_refused():
+    table = Tensors([StoredTensor(0, 0, (4, 4), 1)])
+    with pytest.raises(ValueError, match="not inside its tensor"):
+        Needs.of([Need(0, Box((2, 0), (3, 4)))], table).byte_runs(table)
+
+
 def test_a_need_outside_every_span_is_refused():
     tensors = [StoredTensor(0, 0, (16,), 1)]
     plan = ClusterPlan.build(tensors, [[Need(0, Box((0,), (8,)))]], FILES[:1])
@@ -243,8 +266,6 @@ def _relayed(plan: ClusterPlan, needs_by_rank) -> None:
     """Every rank receives each part of its route once, from its owner or from a twin that has it
     (the chain of senders reaches the owner without a loop), and the sender's streams, derived
     from the plan alone, are the receiver's."""
-    from hp_dcp_hf.storage.read.span_reads import _sends
-
     routes = [plan.route(needs) for needs in needs_by_rank]
     senders = [plan.senders(rank, routed) for rank, routed in enumerate(routes)]
     for rank, routed in enumerate(routes):
@@ -255,7 +276,7 @@ def _relayed(plan: ClusterPlan, needs_by_rank) -> None:
                 assert at not in seen and at in twins
                 seen.add(at)
                 at = int(senders[at][part])
-        sent = _sends(plan, rank, needs_by_rank, routed, plan.owned(rank))
+        sent = plan.sends(rank, routed, plan.owned(rank))
         for peer, routed_peer in enumerate(routes):
             mine = sent[peer]
             theirs = routed_peer.select(senders[peer] == rank) if peer != rank else None

@@ -55,6 +55,7 @@ class Tensors:
         # byte strides: each dim's step is the bytes of one index of it
         self.strides = np.flip(np.cumprod(np.flip(self.shape, 1), 1), 1) // self.shape * self.itemsize[:, None]
         self.nbytes = self.shape.prod(1) * self.itemsize
+        self.key = byte_key(self.file, self.data_start)  # each tensor's first byte as a key
 
     def __len__(self) -> int:
         return len(self.stored)
@@ -108,12 +109,42 @@ class Needs:
 
     def extents(self, table: Tensors) -> tuple[np.ndarray, np.ndarray]:
         """Each need's first and last byte (exclusive) as sortable keys (:func:`byte_key`: file, byte)."""
-        t = self.tensor
-        strides = table.strides[t]
-        first = (self.offsets * strides).sum(1)
-        last = ((self.offsets + self.sizes - 1) * strides).sum(1) + table.itemsize[t]
-        base = table.data_start[t]
-        return byte_key(table.file[t], base + first), byte_key(table.file[t], base + last)
+        t, ndim = self.tensor, table.ndim
+        first = table.key[t]
+        last = first + table.itemsize[t]
+        for d in range(ndim):  # a column at a time: numpy sums short rows slowly, a million of them
+            stride, offset = table.strides[:, d][t], self.rows[:, 1 + d]
+            first = first + offset * stride
+            last = last + (offset + self.rows[:, 1 + ndim + d] - 1) * stride
+        return first, last
+
+    def byte_runs(self, table: Tensors) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Every need's byte ranges at once, as :func:`~hp_dcp_hf.storage.format.ranges.box_byte_runs`
+        gives them one box at a time (a call per need costs more than the arithmetic at a thousand
+        needs a rank, and the plan routes a thousand ranks): per range, its need, its first byte in
+        the file, its length and where it lands in the need's buffer; in need, then row-major order.
+        Raises ``ValueError`` when a box is not inside its tensor."""
+        t, offsets, sizes = self.tensor, self.offsets, self.sizes
+        shape, strides = table.shape[t], table.strides[t]
+        if len(t) and (np.any(offsets < 0) or np.any(sizes < 0) or np.any(offsets + sizes > shape)):
+            raise ValueError("a needed box is not inside its tensor")
+        ndim = shape.shape[1]
+        cuts = sizes < shape
+        # the last dim a box cuts: it is one range per index of the dims before it (-1: one range)
+        cut = np.where(cuts.any(1), ndim - 1 - np.argmax(cuts[:, ::-1], 1), -1)
+        outer = np.where(np.arange(ndim) < cut[:, None], sizes, 1)
+        counts = np.where((sizes == 0).any(1), 0, outer.prod(1))
+        at = np.maximum(cut, 0)
+        run = np.where(cut >= 0, sizes[np.arange(len(t)), at] * strides[np.arange(len(t)), at], table.nbytes[t])
+        need = np.repeat(np.arange(len(t)), counts)
+        index = np.arange(len(need)) - np.repeat(np.cumsum(counts) - counts, counts)  # a range's index in its need
+        start = (table.data_start[t] + (offsets * strides).sum(1))[need]
+        rest = index
+        for d in range(ndim - 1, -1, -1):  # the index's digits in row-major order, outer dims only
+            size = outer[need, d]
+            start = start + rest % size * strides[need, d]
+            rest = rest // size
+        return need, start, run[need], index * run[need]
 
 
 def encode_needs(needs: Sequence[Need] | Needs, tensors: Sequence[StoredTensor] | Tensors) -> np.ndarray:

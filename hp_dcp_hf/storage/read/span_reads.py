@@ -31,7 +31,7 @@ from hp_dcp_hf.storage.format.header import TensorEntry
 from hp_dcp_hf.storage.read.copy import copy_into
 from hp_dcp_hf.storage.read.exchange import ExchangeStats, ReadProgress, Region, Stream, exchange
 from hp_dcp_hf.storage.read.needs import Need, Needs, StoredTensor, Tensors, decode_needs, encode_needs
-from hp_dcp_hf.storage.read.routing import Routed, Run, runs
+from hp_dcp_hf.storage.read.routing import Run, runs
 from hp_dcp_hf.storage.read.spans import ClusterPlan
 from hp_dcp_hf.storage.transport.location import CheckpointLocation
 from hp_dcp_hf.storage.transport.stats import ReadStats
@@ -237,7 +237,7 @@ def read_spans(
     own = incoming.select(senders == rank)  # this rank's own spans
     load.own_bytes = own.nbytes
     from_peers = [incoming.select(senders == peer) if peer != rank else None for peer in range(world)]
-    to_peers = _sends(plan, rank, needs, incoming, owned)
+    to_peers = plan.sends(rank, incoming, owned)
     # Every rank sends each peer at most `chunk` bytes a round: the budget over twice the most peers
     # any rank sends to or receives from, so no rank moves more than the budget a round.
     degree = max(sum(1 for r in to_peers if r is not None and r.nbytes),
@@ -304,26 +304,6 @@ def read_spans(
     if "error" in outcome:
         raise outcome["error"]
     return load
-
-
-def _sends(plan: ClusterPlan, rank: int, needs: Sequence[Needs], incoming: Routed, owned: np.ndarray
-           ) -> list[Routed | None]:
-    """Per peer, the parts of its route this rank sends it (:meth:`ClusterPlan.senders`): of its
-    own spans, and to a twin, bytes it forwards. One route per class of twins."""
-    twins = set(plan.members(rank).tolist())
-    needing = set(plan.needing(owned).tolist()) | twins
-    routes: dict[int, Routed] = {int(plan.twins[rank]): incoming}
-    out: list[Routed | None] = []
-    for peer in range(plan.world):
-        if peer == rank or peer not in needing:
-            out.append(None)
-            continue
-        key = int(plan.twins[peer])
-        if key not in routes:
-            routes[key] = plan.route(needs[peer], within=owned)
-        routed = routes[key]
-        out.append(routed.select(plan.senders(peer, routed) == rank))
-    return out
 
 
 def _in_span(plan: ClusterPlan, run: Run) -> Region:

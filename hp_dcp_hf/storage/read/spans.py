@@ -38,7 +38,6 @@ from functools import cached_property
 
 import numpy as np
 
-from hp_dcp_hf.storage.format.ranges import box_byte_runs
 from hp_dcp_hf.storage.read.needs import (
     BYTE_MASK,
     FILE_SHIFT,
@@ -50,7 +49,7 @@ from hp_dcp_hf.storage.read.needs import (
     table_of,
 )
 from hp_dcp_hf.storage.read.routing import Routed
-from hp_dcp_hf.storage.read.union import concatenated, merge, union_of
+from hp_dcp_hf.storage.read.union import concatenated, consecutive, merge, union_of
 
 SPAN_BYTES = 8 * 2**20
 """Smallest span where the needed bytes run that long: a request moves several MiB per round trip."""
@@ -88,6 +87,13 @@ class ClusterPlan:
     """Per rank, its class of twins: ranks whose needs are identical share one (numbered by their
     first rank's order)."""
     nodes: np.ndarray = field(repr=False, compare=False)
+    distinct: Needs = field(repr=False, compare=False)
+    """The needs of every class of twins (its first rank's), one class after the other: class
+    ``c``'s are rows ``bounds[c]:bounds[c + 1]``; routes of other ranks are cut from them, and their
+    extents were found in :meth:`build` once."""
+    bounds: np.ndarray = field(repr=False, compare=False)
+    touched: tuple[np.ndarray, np.ndarray] = field(repr=False, compare=False)
+    """Per row of ``distinct``, the first and last span its extent may touch."""
 
     @classmethod
     def build(
@@ -109,28 +115,25 @@ class ClusterPlan:
         population = np.bincount(twins, minlength=len(distinct))
         every = concatenated([needs_by_rank[r] for r in distinct], table)
         first, last = every.extents(table)
-        union = union_of(table, every, first, last, len(files))
+        order = np.argsort(first, kind="stable")  # cheap: each rank's needs are a run in byte order
+        union = union_of(table, every, first, last, len(files), order)
         bounds = np.cumsum([0, *(len(needs_by_rank[r]) for r in distinct)])
-        # a class of several twins never needs a stretch alone
-        extents = [(first[lo:hi], last[lo:hi]) if hi > lo and population[c] == 1 else None
-                   for c, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:]))]
+        group = np.repeat(np.arange(len(distinct)), np.diff(bounds))  # each need's class of twins
         total = sum(int((e - s).sum()) for s, e in union)
         # about a sixteenth of a rank's share: owners balance to within that (a span's requests
         # are cut to the reader's size whatever its length)
         target = max(span_bytes, min(MAX_SPAN_BYTES, -(-total // (16 * world))))
-        others = [(first[lo:hi], last[lo:hi]) for c, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:]))
-                  if hi > lo and population[c] > 1]
         lows, highs = _cut(*_keyed([merge(starts, ends, gap) for starts, ends in union]),
-                           _sole_stretches(extents, others), target)
+                           _sole_stretches(first, last, group, population == 1), target)
         needed_lo, needed_hi = _keyed(union)
         needed = _covered(needed_lo, needed_hi, highs) - _covered(needed_lo, needed_hi, lows)
-        indptr, classes, nbytes = _needers(lows, highs, first, last,
-                                           np.repeat(np.arange(len(distinct)), np.diff(bounds)))
+        touched = _touching(lows, first, last, order)
+        indptr, classes, nbytes = _needers(lows, highs, first, last, touched, group)
         indptr, needers, nbytes = _expand(indptr, classes, nbytes, twins)
         node_of = np.asarray(nodes if nodes is not None else range(world), dtype=np.int64)
         owner = _assign(highs - lows, indptr, needers, nbytes, node_of, target)
         return cls(tuple(files), lows >> FILE_SHIFT, lows & BYTE_MASK, highs & BYTE_MASK, owner, needed, world,
-                   table, (indptr, needers), twins, node_of)
+                   table, (indptr, needers), twins, node_of, every, bounds, touched)
 
     def __len__(self) -> int:
         return len(self.start)
@@ -138,7 +141,7 @@ class ClusterPlan:
     def needing(self, spans: np.ndarray) -> np.ndarray:
         """The ranks that may need bytes of ``spans`` (sorted): the only ones their owner routes."""
         indptr, ranks = self.needers
-        return np.unique(ranks[_ranges(indptr[spans], indptr[spans + 1] - indptr[spans])])
+        return np.unique(ranks[consecutive(indptr[spans], indptr[spans + 1] - indptr[spans])])
 
     def owned(self, rank: int) -> np.ndarray:
         """Indices of the spans ``rank`` reads, in file order."""
@@ -156,42 +159,88 @@ class ClusterPlan:
         them are skipped without listing their rows."""
         table = self.table
         needs = Needs.of(needs, table)
-        chosen = np.arange(len(needs))
+        index = np.arange(len(needs))
         if within is not None:
             within = np.sort(within)
-            lo, hi = _touching(self._keys, *needs.extents(table))
-            after = np.searchsorted(within, lo)  # the first span of within at or after each need's first
-            padded = np.append(within, len(self))  # past every span: "none after"
-            chosen = np.flatnonzero(padded[after] <= hi)
-        file, start, end, need, offset = [], [], [], [], []
-        for index in chosen.tolist():
-            tensor = table.stored[needs.tensor[index]]
-            starts, run = box_byte_runs(tensor.shape, tensor.itemsize, needs.box(index, table))
-            file.append(np.full(len(starts), tensor.file, dtype=np.int64))
-            start.append(starts + tensor.data_start)
-            end.append(starts + (tensor.data_start + run))
-            need.append(np.full(len(starts), index, dtype=np.int64))
-            offset.append(np.arange(len(starts), dtype=np.int64) * run)
-        parts = [np.concatenate(a) if a else np.zeros(0, dtype=np.int64) for a in (file, start, end, need, offset)]
-        order = np.lexsort((parts[1], parts[0]))  # stable: ties keep need order
-        file_, start_, end_, need_, offset_ = (a[order] for a in parts)
-        routed = self._split(file_, start_, end_, need_, offset_)
+            index = self._reaching(within, *_touching(self._keys, *needs.extents(table)))
+            needs = Needs.from_rows(needs.rows[index], table)
+        routed, _ = self._parts(needs, index)
         return routed if within is None else routed.select(np.isin(routed.span, within, assume_unique=True))
+
+    def sends(self, rank: int, incoming: Routed, owned: np.ndarray) -> list[Routed | None]:
+        """Per peer, the parts of its route that ``rank`` sends it (:meth:`senders`): of its own
+        spans ``owned``, and to a twin, bytes it forwards (``incoming``: ``rank``'s own route);
+        ``None`` for itself and for ranks needing none of its spans. The peers' routes come from the
+        needs gathered in :meth:`build`, every class of twins in one pass."""
+        needing = np.union1d(self.needing(owned), self.members(rank))
+        needing = needing[needing != rank]
+        mine = int(self.twins[rank])
+        classes = np.unique(self.twins[needing])
+        routes = self._routes_within(classes[classes != mine], np.sort(owned))
+        routes[mine] = incoming
+        chains = {c: self._chain(c, routes[c]) for c in classes.tolist()}
+        out: list[Routed | None] = [None] * self.world
+        for peer, twins in zip(needing.tolist(), self.twins[needing].tolist()):
+            routed = routes[twins]
+            out[peer] = routed.select(self._senders(peer, routed.owner, chains[twins]) == rank)
+        return out
+
+    def _routes_within(self, classes: np.ndarray, within: np.ndarray) -> dict[int, Routed]:
+        """:meth:`route` of every class of twins in ``classes`` (sorted) into ``within`` (sorted), at once."""
+        bounds = self.bounds
+        rows = consecutive(bounds[classes], bounds[classes + 1] - bounds[classes])
+        first, last = self.touched
+        rows = rows[self._reaching(within, first[rows], last[rows])]
+        group = np.searchsorted(bounds, rows, side="right") - 1
+        routed, at = self._parts(Needs.from_rows(self.distinct.rows[rows], self.table), rows - bounds[group], group)
+        keep = np.isin(routed.span, within, assume_unique=True)
+        routed, group = routed.select(keep), group[at[keep]]
+        cuts = np.searchsorted(group, np.append(classes, np.iinfo(np.int64).max))
+        return {c: routed.select(slice(lo, hi)) for c, lo, hi in zip(classes.tolist(), cuts[:-1], cuts[1:])}
+
+    def _reaching(self, within: np.ndarray, first: np.ndarray, last: np.ndarray) -> np.ndarray:
+        """Indices of the needs whose spans ``first..last`` include one of ``within`` (sorted)."""
+        after = np.searchsorted(within, first)  # the first span of within at or after each need's first
+        padded = np.append(within, len(self))  # past every span: "none after"
+        return np.flatnonzero(padded[after] <= last)
+
+    def _parts(self, needs: Needs, index: np.ndarray, group: np.ndarray | None = None) -> tuple[Routed, np.ndarray]:
+        """The byte ranges of ``needs`` (need ``i`` known as ``index[i]``) in stream order, split
+        where spans meet; with ``group`` (per need, ascending), each group's stream after the
+        previous one's. Also, per part, its need's position in ``needs``."""
+        table = self.table
+        need, start, length, offset = needs.byte_runs(table)
+        file = table.file[needs.tensor][need]
+        keys = (start, file) if group is None else (start, file, group[need])
+        order = np.lexsort(keys)  # stable: ties keep need order
+        need = need[order]
+        routed, at = self._split(file[order], start[order], start[order] + length[order], index[need], offset[order])
+        return routed, need[at]
 
     def senders(self, rank: int, routed: Routed) -> np.ndarray:
         """Who sends ``rank`` each part of ``routed`` (its own route, or a twin's: the same): the
         span's owner, or for a class of twins the previous twin in the span's chain (cyclically,
         starting after the owner when it is a twin, else at the head: the twin on the owner's node,
         else the one the span index picks). ``rank`` itself for bytes of its own spans."""
-        members = self._members[int(self.twins[rank])]
-        count = len(members)
-        owner = routed.owner
-        if count == 1:
+        return self._senders(rank, routed.owner, self._chain(int(self.twins[rank]), routed))
+
+    def _chain(self, twins: int, routed: Routed) -> tuple[np.ndarray, np.ndarray] | None:
+        """What the senders of a route of class ``twins`` share across the class: per part, whether
+        its owner is a twin and which twin the owner sends it to (:meth:`_head`); ``None`` for a
+        class of one (its owners send it everything)."""
+        members = self._members[twins]
+        if len(members) == 1:
+            return None
+        return np.isin(routed.owner, members), self._head(routed.span, members)
+
+    def _senders(self, rank: int, owner: np.ndarray, chain: tuple[np.ndarray, np.ndarray] | None) -> np.ndarray:
+        """:meth:`senders` from the route's ``owner`` s and its class's :meth:`_chain`."""
+        if chain is None:
             return owner
+        members = self._members[int(self.twins[rank])]
         at = int(np.searchsorted(members, rank))
-        previous = members[(at - 1) % count]
-        inside = np.isin(owner, members, assume_unique=False)
-        head = self._head(routed.span, members)
+        previous = members[(at - 1) % len(members)]
+        inside, head = chain
         return np.where(owner == rank, rank, np.where(~inside & (head == at), owner, previous))
 
     def _head(self, spans: np.ndarray, members: np.ndarray) -> np.ndarray:
@@ -214,8 +263,9 @@ class ClusterPlan:
     def _keys(self) -> np.ndarray:
         return byte_key(self.file, self.start)
 
-    def _split(self, file, start, end, need, offset) -> Routed:
-        """Each range cut where it crosses a span boundary, with its span and owner."""
+    def _split(self, file, start, end, need, offset) -> tuple[Routed, np.ndarray]:
+        """Each range cut where it crosses a span boundary, with its span and owner; and per part,
+        the range it came from."""
         keys = self._keys
         first = np.searchsorted(keys, byte_key(file, start), side="right") - 1
         last = np.searchsorted(keys, byte_key(file, end - 1), side="right") - 1
@@ -223,10 +273,10 @@ class ClusterPlan:
             raise ValueError("a needed byte range lies outside every span: the plan was built from other needs")
         counts = last - first + 1
         if bool((counts == 1).all()):
-            return Routed(self.owner[first], first, file, start, end, need, offset)
-        span, at = _ranges(first, counts), np.repeat(np.arange(len(first)), counts)
+            return Routed(self.owner[first], first, file, start, end, need, offset), np.arange(len(first))
+        span, at = consecutive(first, counts), np.repeat(np.arange(len(first)), counts)
         lo, hi = np.maximum(start[at], self.start[span]), np.minimum(end[at], self.end[span])
-        return Routed(self.owner[span], span, file[at], lo, hi, need[at], offset[at] + lo - start[at])
+        return Routed(self.owner[span], span, file[at], lo, hi, need[at], offset[at] + lo - start[at]), at
 
 
 def twin_classes(needs_by_rank: Sequence[Needs]) -> tuple[np.ndarray, list[int]]:
@@ -246,11 +296,13 @@ def twin_classes(needs_by_rank: Sequence[Needs]) -> tuple[np.ndarray, list[int]]
 def _expand(indptr: np.ndarray, classes: np.ndarray, nbytes: np.ndarray, twins: np.ndarray
             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per-span classes of twins (CSR, as :func:`_needers` gives them) as per-span ranks, ascending."""
+    if np.array_equal(twins, np.arange(len(twins))):  # no twins: class c is rank c
+        return indptr, classes, nbytes
     order = np.argsort(twins, kind="stable")
     sizes = np.bincount(twins, minlength=int(classes.max(initial=-1)) + 1)
     starts = np.concatenate(([0], np.cumsum(sizes)))
     counts = sizes[classes]
-    ranks = order[_ranges(starts[classes], counts)]
+    ranks = order[consecutive(starts[classes], counts)]
     span = np.repeat(np.repeat(np.arange(len(indptr) - 1), np.diff(indptr)), counts)
     weight = np.repeat(nbytes, counts)
     sort = np.lexsort((ranks, span))
@@ -262,26 +314,33 @@ def _page_floor(positions: np.ndarray) -> np.ndarray:
     return positions - positions % _PAGE
 
 
-def _touching(keys: np.ndarray, first: np.ndarray, last: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _touching(keys: np.ndarray, first: np.ndarray, last: np.ndarray, order: np.ndarray | None = None
+              ) -> tuple[np.ndarray, np.ndarray]:
     """For byte extents (keys), the first and last span (of those starting at ``keys``) they may
-    touch, clipped to the plan."""
+    touch, clipped to the plan. ``order``: a sort of ``first``, if known (a million binary
+    searches in order hit the cache)."""
+    if order is not None:
+        lo, hi = np.empty_like(first), np.empty_like(first)
+        lo[order], hi[order] = _touching(keys, first[order], last[order])
+        return lo, hi
     lo = np.clip(np.searchsorted(keys, first, side="right") - 1, 0, max(len(keys) - 1, 0))
     hi = np.clip(np.searchsorted(keys, last - 1, side="right") - 1, lo, max(len(keys) - 1, 0))
     return lo, hi
 
 
-def _needers(lows: np.ndarray, highs: np.ndarray, first: np.ndarray, last: np.ndarray, rank: np.ndarray
-             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _needers(lows: np.ndarray, highs: np.ndarray, first: np.ndarray, last: np.ndarray,
+             touched: tuple[np.ndarray, np.ndarray], rank: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per span (``[lows, highs)``, keys), the ranks needing bytes in it and about how many (the
     extents ``first``, ``last`` of every rank's needs, need ``i`` of rank ``rank[i]``, inside the
     span: a preference for owners, not an exact count), as ``(indptr, ranks, nbytes)``: span
-    ``s``'s are ``ranks[indptr[s]:indptr[s+1]]``."""
+    ``s``'s are ``ranks[indptr[s]:indptr[s+1]]``. ``touched``: the spans each need may touch
+    (:func:`_touching`)."""
     if not len(lows) or not len(first):
         return np.zeros(len(lows) + 1, dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-    lo, hi = _touching(lows, first, last)
+    lo, hi = touched
     counts = hi - lo + 1
     at = np.repeat(np.arange(len(lo)), counts)
-    span = _ranges(lo, counts)
+    span = consecutive(lo, counts)
     inside = np.maximum(np.minimum(last[at], highs[span]) - np.maximum(first[at], lows[span]), 0)
     # one pair per (span, rank): rank-major keys come (nearly) sorted, needs being in byte order
     pair = rank[at] * len(lows) + span
@@ -294,11 +353,6 @@ def _needers(lows: np.ndarray, highs: np.ndarray, first: np.ndarray, last: np.nd
     return np.searchsorted(spans, np.arange(len(lows) + 1)), ranks, nbytes
 
 
-def _ranges(first: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """``first[i], first[i] + 1, ...`` (``counts[i]`` of them) for every ``i``, concatenated."""
-    return np.repeat(first - np.cumsum(counts) + counts, counts) + np.arange(int(counts.sum()))
-
-
 def _keyed(ranges_by_file: Sequence[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
     """Per-file sorted ``(starts, ends)`` as one sorted pair of key arrays."""
     empty = np.zeros(0, dtype=np.int64)
@@ -306,30 +360,27 @@ def _keyed(ranges_by_file: Sequence[tuple[np.ndarray, np.ndarray]]) -> tuple[np.
             np.concatenate([empty, *(byte_key(f, ends) for f, (_, ends) in enumerate(ranges_by_file))]))
 
 
-def _sole_stretches(extents: Sequence[tuple[np.ndarray, np.ndarray] | None],
-                    shared: Sequence[tuple[np.ndarray, np.ndarray]] = ()) -> np.ndarray:
+def _sole_stretches(first: np.ndarray, last: np.ndarray, group: np.ndarray, alone: np.ndarray) -> np.ndarray:
     """The bounds (keys, sorted) of the stretches of at least :data:`OWN_RUN_BYTES` that one rank's
     need extents alone cover (holes nobody's extents cover may lie inside): no other rank needs a
-    byte there. ``shared``: extents of needs several ranks have (they cover, but are nobody's alone)."""
-    bounds, deltas = [], []
-    for rank, extent in enumerate(extents):
-        if extent is None:
-            continue
-        first, last = merge(*extent, 0)  # a rank's own overlapping boxes count once
-        bounds += [first, last]
-        deltas += [np.full(len(first), 1 + rank * 2**20, dtype=np.int64),
-                   np.full(len(last), -1 - rank * 2**20, dtype=np.int64)]
-    for extent in shared:  # as two ranks: never depth one
-        first, last = merge(*extent, 0)
-        bounds += [first, last]
-        deltas += [np.full(len(first), 2, dtype=np.int64), np.full(len(last), -2, dtype=np.int64)]
-    if not bounds:
+    byte there. Need ``i`` (extent ``first[i]``, ``last[i]``) is of class of twins ``group[i]``
+    (ascending); ``alone[c]``: class ``c`` is one rank (the extents of a class of several cover,
+    but are nobody's alone)."""
+    if not len(first):
         return np.zeros(0, dtype=np.int64)
-    keys = np.concatenate(bounds)
+    if np.any((group[1:] == group[:-1]) & (first[1:] < first[:-1])):
+        order = np.lexsort((first, group))
+        first, last, group = first[order], last[order], group[order]
+    # a class's own overlapping boxes count once: its extents merged
+    reach = _running_max(last, group)
+    starts = np.flatnonzero(np.concatenate(([True], (group[1:] != group[:-1]) | (first[1:] > reach[:-1]))))
+    label = group[starts]
+    weight = np.where(alone[label], 1 + label * 2**20, 2)  # a class of several as two ranks: never depth one
+    keys = np.concatenate((first[starts], reach[np.append(starts[1:], len(first)) - 1]))
     order = np.argsort(keys, kind="stable")
     keys = keys[order]
     # per segment between consecutive keys: how many ranks cover it and, where one does, which
-    cover = np.cumsum(np.concatenate(deltas)[order])[:-1]
+    cover = np.cumsum(np.concatenate((weight, -weight))[order])[:-1]
     depth, rank = cover % 2**20, cover // 2**20
     covered = np.flatnonzero((depth > 0) & (keys[1:] > keys[:-1]))
     label = np.where(depth[covered] == 1, rank[covered], -1)
@@ -338,7 +389,21 @@ def _sole_stretches(extents: Sequence[tuple[np.ndarray, np.ndarray] | None],
     groups = np.flatnonzero(new)
     lo, hi = keys[covered[groups]], keys[covered[np.append(groups[1:], len(covered)) - 1] + 1]
     keep = (label[groups] >= 0) & (hi - lo >= OWN_RUN_BYTES)
-    return np.unique(np.concatenate([lo[keep], hi[keep]]))
+    return _sorted_distinct(np.concatenate([lo[keep], hi[keep]]))
+
+
+def _running_max(values: np.ndarray, group: np.ndarray) -> np.ndarray:
+    """Per position, the largest of ``values`` up to it within its group (groups contiguous), by
+    doubling steps, stopping at the first step that changes nothing (then none would)."""
+    out, step = values, 1
+    while step < len(out):
+        before = out[:-step]
+        later = (group[step:] == group[:-step]) & (before > out[step:])
+        if not later.any():
+            break
+        out = np.concatenate((out[:step], np.where(later, before, out[step:])))
+        step *= 2
+    return out
 
 
 def _cut(lo: np.ndarray, hi: np.ndarray, bounds: np.ndarray, target: int) -> tuple[np.ndarray, np.ndarray]:
@@ -354,15 +419,24 @@ def _cut(lo: np.ndarray, hi: np.ndarray, bounds: np.ndarray, target: int) -> tup
     same = np.concatenate(([False], run[1:] == run[:-1]))
     before = np.where(same, np.concatenate(([0], bounds[:-1])), lo[run])
     keep = (bounds - before >= OWN_RUN_BYTES) & (hi[run] - bounds >= OWN_RUN_BYTES)
-    cuts = np.unique(bounds[keep])
+    cuts = _sorted_distinct(bounds[keep])
     piece_lo, piece_hi = np.sort(np.concatenate([lo, cuts])), np.sort(np.concatenate([hi, cuts]))
     count = np.maximum(1, np.rint((piece_hi - piece_lo) / target)).astype(np.int64)
     extra = count - 1
     piece = np.repeat(np.arange(len(piece_lo)), extra)
-    step = _ranges(np.ones(len(extra), dtype=np.int64), extra)
+    step = consecutive(np.ones(len(extra), dtype=np.int64), extra)
     inner = _page_floor(piece_lo[piece] + (piece_hi - piece_lo)[piece] * step // count[piece])
-    inner = np.unique(inner[(inner > piece_lo[piece]) & (inner < piece_hi[piece])])
+    inner = _sorted_distinct(inner[(inner > piece_lo[piece]) & (inner < piece_hi[piece])])
     return np.sort(np.concatenate([piece_lo, inner])), np.sort(np.concatenate([piece_hi, inner]))
+
+
+def _sorted_distinct(keys: np.ndarray) -> np.ndarray:
+    """``np.unique`` of keys that come in runs already sorted: a stable sort merges the runs, where
+    ``unique`` would hash every key."""
+    keys = np.sort(keys, kind="stable")
+    first = np.ones(len(keys), dtype=bool)
+    first[1:] = keys[1:] != keys[:-1]
+    return keys[first]
 
 
 def _covered(starts: np.ndarray, ends: np.ndarray, positions: np.ndarray) -> np.ndarray:
@@ -394,25 +468,61 @@ def _assign(sizes: np.ndarray, indptr: np.ndarray, needers: np.ndarray, needed: 
     within = total - before <= fair
     owners[sole[within]] = needer[within]
     load = np.bincount(needer[within], weights=sizes[sole[within]], minlength=world).astype(np.int64)
-    for span in np.flatnonzero(owners < 0).tolist():
-        size = int(sizes[span])
-        candidates = needers[indptr[span] : indptr[span + 1]]
-        owner = -1
-        if len(candidates):
-            fits = load[candidates] + size <= fair
-            if fits.any():
-                # most needed bytes first, then the least loaded
-                order = np.lexsort((load[candidates][fits], -needed[indptr[span] : indptr[span + 1]][fits]))
-                owner = candidates[fits][order[0]]
-            else:
-                local = np.flatnonzero(np.isin(nodes, nodes[candidates]))
-                best = local[np.argmin(load[local])]
-                owner = best if load[best] + size <= fair else -1
+    rest = np.flatnonzero(owners < 0)
+    counts = indptr[rest + 1] - indptr[rest]
+    listed = consecutive(indptr[rest], counts)
+    # each span's needers by most needed bytes first (stably: then in rank order), as lists: the
+    # loop below looks at a few of them per span, where numpy costs more than the work
+    span = np.repeat(np.arange(len(rest)), counts)
+    listed = listed[np.lexsort((-needed[listed], span))]
+    ranks, wanted = needers[listed], needed[listed]
+    ends = np.append(np.flatnonzero((span[1:] != span[:-1]) | (wanted[1:] != wanted[:-1])) + 1, len(listed))
+    level = (ranks, ranks.tolist(), np.repeat(ends, np.diff(ends, prepend=0)).tolist())
+    held = load.tolist()
+    node = np.unique(nodes, return_inverse=True)[1].reshape(-1)
+    lo = 0
+    for span, size, hi in zip(rest.tolist(), sizes[rest].tolist(), np.cumsum(counts).tolist()):
+        owner = _preferred(load, held, level, lo, hi, size, fair)
         if owner < 0:
-            owner = int(np.argmin(load))
+            owner = _fallback(load, level[1][lo:hi], size, fair, node)
         owners[span] = owner
         load[owner] += size
+        held[owner] += size
+        lo = hi
     return owners
+
+
+def _preferred(load: np.ndarray, held: list[int], level: tuple[np.ndarray, list[int], list[int]], lo: int, hi: int,
+               size: int, fair: float) -> int:
+    """Of a span's needers ``level[0][lo:hi]`` (most needed bytes first; ``level[1]`` the same as a
+    list; ``level[2][i]``: where the needers needing as much as the ``i`` th end), the first of the
+    least loaded among those needing most while within ``fair`` after ``size`` more bytes (each
+    rank's ``load``, ``held`` as a list); -1 when none fits."""
+    ranks, listed, ends = level
+    for i in range(lo, hi):
+        if held[listed[i]] + size <= fair:
+            break
+    else:
+        return -1
+    end = ends[i]
+    if end - i <= 16:  # a few: as lists
+        return listed[min((held[listed[j]], j) for j in range(i, end) if held[listed[j]] + size <= fair)[1]]
+    loads = load[ranks[i:end]]
+    return int(ranks[i + int(np.argmin(np.where(loads + size <= fair, loads, np.iinfo(np.int64).max)))])
+
+
+def _fallback(load: np.ndarray, candidates: list[int], size: int, fair: float, nodes: np.ndarray) -> int:
+    """The owner of a span no needer of which (``candidates``) can take within ``fair``: the least
+    loaded rank on a node that needs it if it can, else the least loaded rank. ``nodes``: each
+    rank's node, numbered from 0."""
+    if candidates:
+        needing = np.zeros(int(nodes.max()) + 1, dtype=bool)
+        needing[nodes[candidates]] = True
+        local = np.flatnonzero(needing[nodes])
+        best = int(local[np.argmin(load[local])])
+        if load[best] + size <= fair:
+            return best
+    return int(np.argmin(load))
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,6 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from hp_dcp_hf.storage.format.ranges import box_byte_runs
 from hp_dcp_hf.storage.read.needs import Need, Needs, StoredTensor, Tensors, table_of
 
 
@@ -72,45 +71,61 @@ def concatenated(needs_by_rank: Sequence[Needs], table: Tensors) -> Needs:
                            table)
 
 
-def union_of(table: Tensors, needs: Needs, first: np.ndarray, last: np.ndarray, files: int
-           ) -> list[tuple[np.ndarray, np.ndarray]]:
-    """:func:`needed_union` of every rank's ``needs`` together, their extents ``first``, ``last``."""
+def union_of(table: Tensors, needs: Needs, first: np.ndarray, last: np.ndarray, files: int,
+             order: np.ndarray | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
+    """:func:`needed_union` of every rank's ``needs`` together, their extents ``first``, ``last``
+    (``order``: a stable sort of ``first``, when known)."""
     empty = np.zeros(0, dtype=np.int64)
     if not len(needs):
         return [(empty, empty) for _ in range(files)]
-    rows = needs.rows
-    # In byte order (tensors never share a first byte), identical boxes side by side, then dropped.
-    mix = np.power(1_000_003, np.arange(table.ndim), dtype=np.int64)  # sizes folded into one key (may wrap)
-    order = np.lexsort(((needs.sizes * mix).sum(1), first))
-    rows, first, last = rows[order], first[order], last[order]
-    duplicate = (first[1:] == first[:-1]) & (rows[1:, 1 + table.ndim :] == rows[:-1, 1 + table.ndim :]).all(1)
-    keep = np.concatenate(([True], ~duplicate))
-    distinct = Needs.from_rows(rows[keep], table)
-    first, last = first[keep], last[keep]
-    numel = distinct.sizes.prod(1)
-    groups = np.concatenate(([0], np.flatnonzero(np.diff(distinct.tensor)) + 1))
-    tensor = distinct.tensor[groups]
+    rows, ndim = needs.rows, table.ndim
+    index = _distinct_in_byte_order(needs, first, np.argsort(first, kind="stable") if order is None else order)
+    first, last, tensors = first[index], last[index], rows[:, 0][index]
+    numel = np.multiply.reduce([rows[:, 1 + ndim + d][index] for d in range(ndim)])
+    groups = np.concatenate(([0], np.flatnonzero(np.diff(tensors)) + 1))
+    tensor = tensors[groups]
     reach = np.maximum.accumulate(last)
-    overlaps = np.concatenate(([False], (first[1:] < reach[:-1]) & (distinct.tensor[1:] == distinct.tensor[:-1])))
+    overlaps = np.concatenate(([False], (first[1:] < reach[:-1]) & (tensors[1:] == tensors[:-1])))
     whole = ((np.add.reduceat(numel, groups) == table.shape[tensor].prod(1))
              & ~np.add.reduceat(overlaps, groups).astype(bool))
-    bounds = [*groups.tolist(), len(distinct)]
+    bounds = np.append(groups, len(index))
     for g in np.flatnonzero(~whole).tolist():  # the rest: a grid, or listed range by range
-        lo, hi, index = bounds[g], bounds[g + 1], int(tensor[g])
-        whole[g] = _tiles(distinct.offsets[lo:hi], distinct.sizes[lo:hi], table.shape[index])
+        box = rows[index[bounds[g] : bounds[g + 1]]]
+        whole[g] = _tiles(box[:, 1 : 1 + ndim], box[:, 1 + ndim :], table.shape[tensor[g]])
     full = tensor[whole]
-    starts = [table.data_start[full]]
-    ends = [table.data_start[full] + table.nbytes[full]]
-    owners = [table.file[full]]
-    for g in np.flatnonzero(~whole).tolist():
-        index = int(tensor[g])
-        stored, base = table.stored[index], int(table.data_start[index])
-        for i in range(bounds[g], bounds[g + 1]):
-            runs_, run = box_byte_runs(stored.shape, stored.itemsize, distinct.box(i, table))
-            starts.append(runs_ + base)
-            ends.append(runs_ + base + run)
-            owners.append(np.full(len(runs_), stored.file, dtype=np.int64))
-    start, end, file = np.concatenate(starts), np.concatenate(ends), np.concatenate(owners)
+    lo = bounds[:-1][~whole]
+    listed = Needs.from_rows(rows[index[consecutive(lo, bounds[1:][~whole] - lo)]], table)
+    need, begin, length, _ = listed.byte_runs(table)
+    start = np.concatenate((table.data_start[full], begin))
+    end = np.concatenate((table.data_start[full] + table.nbytes[full], begin + length))
+    file = np.concatenate((table.file[full], table.file[listed.tensor[need]]))
     return [merge(start[file == f], end[file == f], 0) for f in range(files)]
 
 
+def _distinct_in_byte_order(needs: Needs, first: np.ndarray, order: np.ndarray) -> np.ndarray:
+    """The distinct boxes of ``needs`` (indices) by first byte (tensors never share one), from
+    ``order``, a stable sort of ``first`` (cheap: each rank's needs are a run in byte order), where
+    identical boxes are neighbours unless boxes of one first byte differ in size: then by size too."""
+    duplicate, mixed = _neighbours(needs, first, order)
+    if mixed:
+        sizes = needs.sizes
+        mix = np.power(1_000_003, np.arange(sizes.shape[1]), dtype=np.int64)  # sizes folded into one key (may wrap)
+        order = np.lexsort(((sizes * mix).sum(1), first))
+        duplicate, _ = _neighbours(needs, first, order)
+    return order[np.concatenate(([True], ~duplicate))]
+
+
+def _neighbours(needs: Needs, first: np.ndarray, order: np.ndarray) -> tuple[np.ndarray, bool]:
+    """Per pair of neighbours in ``order``, whether they are the same box; and whether any two of
+    one first byte differ in size. Column by column: numpy compares short rows slowly."""
+    first = first[order]
+    same = first[1:] == first[:-1]
+    columns = needs.rows.shape[1] // 2
+    sized = np.logical_and.reduce([(c[1:] == c[:-1]) for c in (needs.rows[:, 1 + columns + d][order]
+                                                                for d in range(columns))])
+    return same & sized, bool(np.any(same & ~sized))
+
+
+def consecutive(first: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """``first[i], first[i] + 1, ...`` (``counts[i]`` of them) for every ``i``, concatenated."""
+    return np.repeat(first - np.cumsum(counts) + counts, counts) + np.arange(int(counts.sum()))

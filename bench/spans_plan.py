@@ -1,0 +1,123 @@
+"""The cooperative span plan of a simulated cluster, timed from cached needs alone.
+
+``python -m bench --parts simulate`` plans every rank's items before it times the span plan
+(minutes); once it has left every rank's needs in ``BENCH_CACHE``, this times what one rank pays
+in ``read_data`` (:func:`bench.simulate.rank_spans`: decode, build, route own, route others) in
+seconds, on any checkout, so that two checkouts can be timed alternately on one noisy machine::
+
+    python -m bench.spans_plan --save-table                 # once: the checkpoint's byte layout
+    python -m bench.spans_plan --layouts fsdp,hsdp --ranks 0,513 --reps 3 --digest
+
+One JSON line per layout and rank: the best of ``reps`` of each step, and with ``--digest`` a hash
+of the plan, the rank's route and its sends (equal digests: the same plan, byte for byte).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+NODE = 8  # ranks per node, as bench.simulate
+
+
+def _cache() -> Path:
+    return Path(os.environ.get("BENCH_CACHE", Path.home() / ".cache" / "hp-dcp-hf-bench"))
+
+
+def save_table(arch: str) -> Path:
+    """The stored tensors and files of ``arch``'s simulated checkpoint, as bench.simulate builds them."""
+    from bench.simulate import build_checkpoint, stored_table
+
+    table = stored_table(build_checkpoint(arch))
+    tensors = table.tensors
+    path = _cache() / f"table-{arch}.npz"
+    np.savez(path, file_of=tensors.file, data_start=tensors.data_start, itemsize=tensors.itemsize,
+             shape=tensors.shape, rank=tensors.rank, files=np.array(table.files))
+    return path
+
+
+def load_table(arch: str) -> tuple[Any, tuple[str, ...]]:
+    from hp_dcp_hf.storage.read.needs import StoredTensor, Tensors
+
+    with np.load(_cache() / f"table-{arch}.npz") as saved:
+        stored = [StoredTensor(int(f), int(s), tuple(int(x) for x in shape[len(shape) - int(r):]) if r else (), int(i))
+                  for f, s, i, shape, r in zip(saved["file_of"], saved["data_start"], saved["itemsize"], saved["shape"],
+                                               saved["rank"])]
+        return Tensors(stored), tuple(str(f) for f in saved["files"])
+
+
+def load_needs(layout: str, world: int) -> list[np.ndarray]:
+    """Every rank's encoded needs, as :func:`bench.simulate.cached_needs` left them."""
+    (path,) = sorted(_cache().glob(f"needs-*-{layout}-{world}-*.npz"))
+    with np.load(path) as saved:
+        return [saved[f"r{rank}"] for rank in range(world)]
+
+
+def _digest(plan: Any, arrays: list[np.ndarray]) -> str:
+    h = hashlib.sha256()
+    for a in [plan.file, plan.start, plan.end, plan.owner, plan.needed, *arrays]:
+        h.update(np.ascontiguousarray(a, dtype=np.int64).tobytes())
+        h.update(b"|")
+    return h.hexdigest()[:16]
+
+
+def _routed(routed: Any) -> list[np.ndarray]:
+    return [getattr(routed, f) for f in ("owner", "span", "file", "start", "end", "need", "offset")]
+
+
+def time_rank(layout: str, world: int, rank: int, reps: int, digest: bool, tensors: Any, files: tuple[str, ...],
+              encoded: list[np.ndarray]) -> dict[str, Any]:
+    from bench.simulate import rank_spans
+    from hp_dcp_hf.storage.read.needs import decode_needs
+
+    mine = decode_needs(encoded[rank], tensors)
+    nodes = [r // NODE for r in range(world)]
+    runs = [rank_spans(rank, mine, encoded, tensors, files, nodes) for _ in range(reps)]
+    best = {k: min(seconds[k] for _, seconds, _ in runs) for k in runs[0][1]}
+    plan, _, sent = runs[0]
+    row: dict[str, Any] = {"layout": layout, "world": world, "rank": rank, **best, "sent": sent,
+                           "spans_s": best["build_s"] + best["route_own_s"] + best["route_others_s"],
+                           "spans": len(plan)}
+    if digest:
+        incoming = plan.route(mine)
+        sends = plan.sends(rank, incoming, plan.owned(rank))
+        arrays = _routed(incoming)
+        for peer, routed in enumerate(sends):
+            arrays += [np.array([peer, -1 if routed is None else len(routed.start)]),
+                       *(_routed(routed) if routed is not None else [])]
+        row["digest"] = _digest(plan, arrays)
+    return row
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--arch", default="deepseek-v3")
+    p.add_argument("--world", type=int, default=1024)
+    p.add_argument("--layouts", default="fsdp,hsdp")
+    p.add_argument("--ranks", default="0,513")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--digest", action="store_true", help="hash the plan, the route and the sends")
+    p.add_argument("--save-table", action="store_true", help="build and cache the checkpoint's byte layout")
+    args = p.parse_args()
+    if args.save_table:
+        print(save_table(args.arch))
+        return
+    tensors, files = load_table(args.arch)
+    for layout in args.layouts.split(","):
+        encoded = load_needs(layout, args.world)
+        for rank in map(int, args.ranks.split(",")):
+            started = time.perf_counter()
+            row = time_rank(layout, args.world, rank, args.reps, args.digest, tensors, files, encoded)
+            row["wall_s"] = time.perf_counter() - started
+            print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
