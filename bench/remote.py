@@ -216,6 +216,7 @@ def _dcp(job: Job, rank: int, url: str, options: dict[str, Any]) -> Row:
     """This project from S3 (``dcp-local*``: from the local copy), then the legacy loader from the
     local copy as the reference."""
     from hp_dcp_hf import HFMappingPlanner, HFStorageReader, load_hf_checkpoint
+    from hp_dcp_hf.load.api import PHASES
 
     row = Row(job.contender, rank)
     model = build(job)
@@ -233,7 +234,7 @@ def _dcp(job: Job, rank: int, url: str, options: dict[str, Any]) -> Row:
                                    "rounds": exchange.rounds})
         return {"bytes_needed": stats.bytes_needed, "bytes_read": total.bytes_read, "requests": total.requests,
                 "ranges": total.ranges, "header_bytes": total.header_bytes,
-                "phases": {f"{phase}_s": report.seconds.get(phase, 0.0) for phase in ("plan", "spans", "read", "exchange")}}
+                "phases": {f"{phase}_s": report.seconds.get(phase, 0.0) for phase in PHASES}}
 
     repeat_loads(row, job, model, load)
     row.mismatched = measure.compare_digests(row.digests or {}, legacy_digests(model, job))
@@ -472,4 +473,10 @@ def summary_line(r: dict[str, Any], loads: int, needed: int) -> str:
     share = f" ({server['bytes'] / loads / needed:.3f}x needed)" if server["bytes"] else ""
     return (f"{r['contender']:<14} {r['wall_s']:8.3f} s  server per load: {server['bytes'] / loads / 2**20:8.1f} MiB"
             f"{share}, {server['gets'] / loads:.0f} GETs; exchanged "
-            f"{sent / 2**20:.1f} MiB; client GETs/rank {r['client_gets']}  {ok}")
+            f"{sent / 2**20:.1f} MiB; client GETs/rank {r['client_gets']}  {ok}{phase_line(r)}")
+
+
+def phase_line(r: dict[str, Any]) -> str:
+    """The record's load phases (the most of each over the ranks, last load) on a line of its own."""
+    phases = {k.removesuffix("_s"): v for k, v in (r.get("phases_max_s") or {}).items() if v}
+    return "\n" + " " * 16 + "phases: " + ", ".join(f"{k} {v:.3f}" for k, v in phases.items()) if phases else ""

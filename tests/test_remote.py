@@ -593,3 +593,18 @@ def test_s3_persistent_failure_is_a_typed_error_naming_the_file(http) -> None:
         handle.read(100, 200)
     assert info.value.file == "nothing.safetensors" and len(http.requests()) == 1
 
+
+
+def test_s3_bodies_read_to_the_end_give_their_connection_back(http, ckpt) -> None:
+    """Bodies are read from the socket under botocore, not through urllib3's reads, which alone hand
+    a connection back: one read after another reuses one connection, none opened per request."""
+    file = "model-00001-of-00009.safetensors"
+    data = (ckpt.path / file).read_bytes()
+    with _s3_handle(http, file, FAST) as handle:
+        client, _ = handle._backend.client()
+        pools = client._endpoint.http_session._manager.pools
+        before = sum(pool.num_connections for pool in pools._container.values())
+        for start in range(100, 1100, 100):
+            assert handle.read(start, start + 100) == data[start : start + 100]
+        opened = sum(pool.num_connections for pool in pools._container.values()) - before
+    assert len(http.requests()) == 10 and opened <= 1

@@ -4,8 +4,9 @@ Why not s3fs for data: it moves every byte through one event-loop thread per pro
 answer into one ``bytes`` that is copied again, and its pool holds 10 connections (single process,
 8 MiB GETs, 8 in flight: 330-420 MiB/s through s3fs against 570-760 MiB/s for boto3 threads). Here
 each ranged ``GetObject`` is sent from the reader's own worker thread through one thread-safe
-botocore client, and its body is read in 1 MiB chunks straight into the destination buffers
-(:func:`~hp_dcp_hf.storage.transport.backend.read_ranged`, the loop HTTP uses too). Every answer's
+botocore client, and its body is read in 1 MiB chunks from the socket straight into the
+destination buffers (:func:`_body_reader`: not through urllib3's ``readinto``, which copies each
+chunk once more; :func:`~hp_dcp_hf.storage.transport.backend.read_ranged`, the loop HTTP uses too). Every answer's
 ``ContentRange`` total and ``ETag`` are checked against the version the header was read at.
 
 Settings come from where s3fs takes them, so the same storage options work: ``key``, ``secret``,
@@ -213,6 +214,29 @@ def _is_transient(error: BaseException) -> bool:
     )
 
 
+def _body_reader(body: Any) -> tuple[Body, Callable[[], None]]:
+    """The ``readinto`` of a ``GetObject`` body that fills the caller's buffer straight from the
+    socket, and what returns its connection to the pool once the body is read.
+
+    botocore's ``StreamingBody.readinto`` goes through urllib3's, which reads each chunk into a new
+    ``bytes`` and copies it into the buffer: a second copy of every byte, and an allocation a chunk,
+    both holding the GIL that the other request threads wait for. The ``http.client`` response under
+    it (which botocore asks urllib3 not to decode) reads into the buffer itself. urllib3 hands the
+    connection back only when its own reads see the end, so :func:`release` does it here; a body
+    left unread is closed with its connection, as before. Any other body is read through its own
+    ``readinto``."""
+    raw = getattr(body, "_raw_stream", None)
+    answer = getattr(raw, "_fp", None)
+    if not isinstance(answer, http.client.HTTPResponse) or not hasattr(raw, "release_conn"):
+        return body.readinto, lambda: None
+
+    def release() -> None:
+        if answer.isclosed():  # every byte read: the connection can serve the next request
+            raw.release_conn()
+
+    return answer.readinto, release
+
+
 class _S3File(RangeFile):
     """One S3 object, read with ranged ``GetObject`` calls straight into the caller's buffers."""
 
@@ -255,7 +279,9 @@ class _S3File(RangeFile):
                 self.file, pos, end, response["ResponseMetadata"]["HTTPStatusCode"], response.get("ContentRange"),
                 None if length is None else str(length), self._expected, etag(response.get("ETag")),
             )
-            yield body.readinto
+            readinto, release = _body_reader(body)
+            yield readinto
+            release()
         finally:
             body.close()
 
