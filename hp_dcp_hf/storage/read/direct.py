@@ -88,7 +88,7 @@ class DirectRead:
         # Remote requests (those of one batch too) run on a pool of their own, num_threads in
         # flight whatever the batches; it outlives the batch pool, whose tasks submit to it.
         remote = not location.backend.local
-        requests = ThreadPoolExecutor(options.num_threads, "hp-dcp-hf-get") if remote else contextlib.nullcontext()
+        requests = ThreadPoolExecutor(settings.threads, "hp-dcp-hf-get") if remote else contextlib.nullcontext()
         try:
             with requests as self._request_pool, ThreadPoolExecutor(settings.batch_workers) as pool:
                 futures = [pool.submit(self._read_batch, location, batch, finish, staging, record) for batch in todo]
