@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 
 from hp_dcp_hf import load_hf_checkpoint
 from hp_dcp_hf.storage.read import chunks as chunks_module
+from hp_dcp_hf.storage.read import direct as direct_module
 from hp_dcp_hf.storage.read.reader import HFStorageReader
 from hp_dcp_hf.storage.read.ring import SlotCopier, StagingRing
 from tests.support.models import build_model
@@ -245,3 +246,24 @@ def test_device_copy_commit_error_comes_back_from_close(monkeypatch: pytest.Monk
     cuda.done.set()
     error = copier.close()
     assert isinstance(error, RuntimeError) and ring.in_use == 0
+
+
+def test_mapped_loads_read_large_landing_chunks_by_ranges(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One batch of two 1 MiB tensors that land as read and a small one: only the small one is
+    copied out of a mapping (the whole batch was, for the small one's sake); values the same."""
+    tensors = {"a": torch.randn(512, 512), "norm": torch.randn(7), "b": torch.randn(512, 512)}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    mapped: list[int] = []
+    copy_mapped = direct_module._copy_mapped
+
+    def counted(handle, batch, targets, record) -> None:
+        mapped.append(sum(chunk.nbytes for chunk in batch))
+        copy_mapped(handle, batch, targets, record)
+
+    monkeypatch.setattr(direct_module, "_copy_mapped", counted)
+    state_dict = {key: torch.zeros_like(value) for key, value in tensors.items()}
+    reader = HFStorageReader(tmp_path, staging_bytes=8 * 2**20, num_threads=1)
+    dcp.load(state_dict, storage_reader=reader, no_dist=True)
+    assert all(_bits(state_dict[key]) == _bits(value) for key, value in tensors.items())
+    assert mapped == [tensors["norm"].nbytes]
+    assert reader.stats.total().bytes_read == sum(value.nbytes for value in tensors.values())

@@ -21,7 +21,8 @@ from hp_dcp_hf.geometry.box import Box
 def _runs(shape: Sequence[int], itemsize: int, box: Box) -> tuple[int, list[int]] | None:
     """The last dim ``box`` cuts (-1 when it cuts none: one contiguous run) and the tensor's byte
     strides; ``None`` for an empty box. Raises ``ValueError`` when ``box`` is not inside ``shape``."""
-    if len(shape) != box.ndim or not Box.full(shape).contains(box):
+    # Box checks its offsets are not negative; no Box.full(shape) made: a load spans every chunk's boxes
+    if len(shape) != box.ndim or any(o + s > n for o, s, n in zip(box.offsets, box.sizes, shape)):
         raise ValueError(f"box {box} is not inside a tensor of shape {tuple(shape)}")
     if box.is_empty():
         return None
@@ -62,7 +63,7 @@ def box_span(shape: Sequence[int], itemsize: int, box: Box) -> tuple[int, int, i
     if last < 0:
         return 0, math.prod(shape) * itemsize, 1
     first = sum(box.offsets[d] * strides[d] for d in range(last + 1))
-    final = sum((box.ends[d] - 1) * strides[d] for d in range(last)) + box.offsets[last] * strides[last]
+    final = sum((o + s - 1) * t for o, s, t in zip(box.offsets[:last], box.sizes, strides)) + box.offsets[last] * strides[last]
     return first, final + box.sizes[last] * strides[last], math.prod(box.sizes[:last])
 
 

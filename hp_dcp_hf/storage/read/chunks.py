@@ -115,12 +115,22 @@ class Chunker:
         chunks = []
         for entry, piece in tensor.pieces(box):
             local = piece.relative_to(entry.box.offsets)  # the piece in the stored tensor's coordinates
-            view = dest[piece.relative_to(box.offsets).slices()]
+            view = _part(dest, piece, box)
             chunks.extend(
-                Chunk(item=index, entry=entry, box=part, dest=view[part.relative_to(local.offsets).slices()])
+                Chunk(item=index, entry=entry, box=part, dest=_part(view, part, local))
                 for part in split_box(local, entry.itemsize, self.budget, entry.shape)
             )
         return chunks
+
+
+def _part(tensor: torch.Tensor, part: Box, whole: Box) -> torch.Tensor:
+    """The view of ``tensor`` (laid over ``whole``) that ``part`` covers: ``tensor`` itself when
+    ``part`` is all of it. Most chunks are a whole item, and indexing a tensor twice per chunk was
+    most of the cut (60-260 ms a rank for the 600 items of the MoE benchmark at 4 ranks), all of it
+    before the first read."""
+    if part == whole:
+        return tensor
+    return tensor[part.relative_to(whole.offsets).slices()]
 
 
 def meta_destinations(items: Sequence[ReadItem]) -> list[torch.Tensor]:

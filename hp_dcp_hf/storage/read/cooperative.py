@@ -63,7 +63,7 @@ class CooperativeRead:
                     location=settings.location, table=StoredTable.of(self.chunker.entries), chunks=chunks,
                     finished=finished,
                     gap=settings.span_gap, span_bytes=options.span_bytes, request_bytes=settings.batch_bytes,
-                    threads=options.num_threads, budget=options.staging_bytes, node=options.node,
+                    threads=settings.threads, budget=options.staging_bytes, node=options.node,
                     stats=record.stats, log=(lambda f, s, e: log((f, s, e))) if log is not None else None,
                     direct_io=options.direct_io, landed=record.landed,
                 )

@@ -5,10 +5,13 @@ mappings), derived once a load knows where its files are."""
 
 from __future__ import annotations
 
+import os
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
+
+import torch.distributed as dist
 
 from hp_dcp_hf.storage.read.spans import SPAN_BYTES, SPAN_GAP
 from hp_dcp_hf.storage.transport.backend import RetryPolicy
@@ -17,6 +20,14 @@ from hp_dcp_hf.storage.transport.location import CheckpointLocation
 
 ALIGN = 16
 """Staged chunks start at multiples of this, so a byte slice can be viewed as any dtype."""
+
+REQUEST_THREADS = 8
+"""Threads of remote reads and header reads when ``num_threads`` is not given: requests in flight,
+which wait on the network, not on a core."""
+
+LOCAL_THREADS = (2, 8)
+"""The fewest and most threads of local reads when ``num_threads`` is not given (see
+:func:`local_threads`)."""
 
 REMOTE_BATCH_BYTES = 8 * 2**20
 """Smallest batch on remote stores (whatever ``num_threads``): the requests of a batch are at most
@@ -34,7 +45,7 @@ class ReaderOptions:
 
     storage_options: Mapping[str, Any] = field(default_factory=dict)
     coalesce_gap: int | None = None
-    num_threads: int = 8
+    num_threads: int | None = None
     staging_bytes: int = 64 * 2**20
     broadcast_metadata: bool = True
     retry: RetryPolicy = field(default_factory=RetryPolicy)
@@ -51,7 +62,8 @@ class ReaderOptions:
             raise ValueError(f"cooperate must be 'auto', 'always' or 'never', got {self.cooperate!r}")
         if self.span_bytes < 1:
             raise ValueError(f"span_bytes must be positive, got {self.span_bytes}")
-        if (self.coalesce_gap or 0) < 0 or self.num_threads < 1 or self.staging_bytes < ALIGN * self.num_threads:
+        threads = self.num_threads if self.num_threads is not None else max(REQUEST_THREADS, LOCAL_THREADS[1])
+        if (self.coalesce_gap or 0) < 0 or threads < 1 or self.staging_bytes < ALIGN * threads:
             raise ValueError(
                 f"need coalesce_gap >= 0, num_threads >= 1 and staging_bytes >= {ALIGN} per thread; got "
                 f"{self.coalesce_gap}, {self.num_threads}, {self.staging_bytes}"
@@ -78,6 +90,12 @@ class ReaderOptions:
             **keywords,
         )
 
+    @property
+    def request_threads(self) -> int:
+        """Threads of requests that wait on storage, not on a core (header reads, the remote
+        filesystem's connection pool): ``num_threads``, or :data:`REQUEST_THREADS`."""
+        return self.num_threads if self.num_threads is not None else REQUEST_THREADS
+
 
 @dataclass(frozen=True)
 class ReadSettings:
@@ -87,6 +105,16 @@ class ReadSettings:
 
     options: ReaderOptions
     location: CheckpointLocation | None
+
+    @property
+    def threads(self) -> int:
+        """Reads in flight: ``num_threads`` when given; else :data:`REQUEST_THREADS` on remote stores
+        and :func:`local_threads` on local files, where a warm read is a copy that needs a core."""
+        if self.options.num_threads is not None:
+            return self.options.num_threads
+        if self.location is None or not self.location.backend.local:
+            return self.options.request_threads
+        return local_threads()
 
     @property
     def mapped(self) -> bool:
@@ -127,7 +155,7 @@ class ReadSettings:
         multiple of :data:`ALIGN`, so a batch's chunks, aligned, fit one staging slot. Also the
         largest request of a cooperative load's span reads."""
         staging = self.options.staging_bytes
-        share = staging // self.options.num_threads
+        share = staging // self.threads
         if self.location is not None and not self.location.backend.local:
             share = max(share, min(REMOTE_BATCH_BYTES, staging))
         return share - share % ALIGN
@@ -135,4 +163,22 @@ class ReadSettings:
     @property
     def batch_workers(self) -> int:
         """Batches read at once: as many as ``staging_bytes`` holds, at most ``num_threads``."""
-        return max(1, min(self.options.num_threads, self.options.staging_bytes // self.batch_bytes))
+        return max(1, min(self.threads, self.options.staging_bytes // self.batch_bytes))
+
+
+def local_threads() -> int:
+    """Read threads of one rank on local files: this process's cores shared among the ranks of this
+    node, within :data:`LOCAL_THREADS`. Warm, a local read is a copy out of the page cache: threads
+    beyond the cores only take turns (4 ranks x 8 threads on 2 cores loaded the 2 GB dense
+    checkpoint 1.5-2x slower than x 1 or 2 threads), and each thread maps and unmaps its boxes, so
+    more of them contend for the process's mappings. At least two, so that one thread's page faults
+    or disk waits overlap another's copies. The ranks of the node: ``LOCAL_WORLD_SIZE`` (torchrun
+    sets it), else the process group's size (ranks all on this node), else one."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    if local is not None and local.isdigit() and int(local) > 0:
+        ranks = int(local)
+    else:
+        ranks = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    low, high = LOCAL_THREADS
+    return max(low, min(high, cores // ranks))

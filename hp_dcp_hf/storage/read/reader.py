@@ -71,7 +71,9 @@ class HFStorageReader(StorageReader):
     stores, where a request costs a round trip (``REMOTE_COALESCE_GAP``; pass 0 to fetch needed
     bytes only). ``num_threads``: reads in flight (on remote stores: requests in flight, those of
     one batch too; a batch there is at least 8 MiB whatever the thread count, so GETs do not shrink
-    as threads grow).
+    as threads grow); by default 8 on remote stores and, on local files, the cores this process
+    may run on shared among the node's ranks (``LOCAL_WORLD_SIZE``, else the process group's size),
+    2 to 8 (:func:`~hp_dcp_hf.storage.read.options.local_threads`).
     ``staging_bytes``: the most memory reads in flight may hold for staging, or keep mapped (a
     part's span in the file, holes included, counts); a larger tensor is read a block of rows at a
     time. With CUDA destinations the staging ring holds one batch more (a batch's reads overlap the
@@ -122,7 +124,7 @@ class HFStorageReader(StorageReader):
             self.path = os.fspath(checkpoint_id)
             self._fs, self._fspath = filesystem(
                 self.path, self.options.storage_options, retry=self.options.retry,
-                concurrency=self.options.num_threads,
+                concurrency=self.options.request_threads,
             )
         self.entries: dict[str, CheckpointTensor] = {}
         self.stats = ReadStats()
@@ -181,7 +183,7 @@ class HFStorageReader(StorageReader):
 
     def _scan(self) -> Catalog:
         location, single_file = locate(self._fs, self._fspath)
-        catalog = scan(location, single_file, self.stats, self.options.num_threads)
+        catalog = scan(location, single_file, self.stats, self.options.request_threads)
         found = unfinished_save(location) if single_file is None else []
         if found:  # on the rank that reads the headers: one line per load, dcp.load's too
             warnings.warn(leftovers_warning(location.url(), found), stacklevel=2)

@@ -68,7 +68,8 @@ def add_layout_arguments(parser: argparse.ArgumentParser, mesh_default: str | No
                              "local files only with --no-map)")
     parser.add_argument("--no-map", action="store_true",
                         help="reader: read local files with preadv instead of copying out of a memory mapping")
-    parser.add_argument("--threads", type=int, default=8, help="reader: reads in flight")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="reader: reads in flight (default: 8 remote; local: the cores per rank of this node, 2-8)")
     parser.add_argument("--staging-mib", type=int, default=64, help="reader: staging budget in MiB")
     parser.add_argument("--cooperate", default="auto", choices=("auto", "always", "never"),
                         help="reader: span ownership, each needed byte read by one rank and exchanged (auto: on "
