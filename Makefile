@@ -118,7 +118,7 @@ test: lint
 
 # The engine runs in $(VLLM_VENV); the trainers that update it run in $(VENV) (HP_DCP_HF_TRAINER_PYTHON).
 test-vllm: $(VLLM_STAMP) $(STAMP)
-	@HP_DCP_HF_TRAINER_PYTHON=$(abspath $(PY)) $(call PYTEST_RUN,$(VLLM_PY),tests/vllm,$(VLLM_PYTEST_ARGS))
+	@HP_DCP_HF_TRAINER_PYTHON=$(abspath $(PY)) $(call PYTEST_RUN,$(VLLM_PY),tests/vllm,-rs $(VLLM_PYTEST_ARGS))
 
 # `make test`'s pytest run in $(COMPAT_VENV) (lint does not depend on torch: `make lint`), which a
 # second make builds as `make venv` builds $(VENV): torch==$(TORCH) first, and kept pinned while the

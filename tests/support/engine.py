@@ -27,10 +27,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 __all__ = [
     "ENGINE_CONFIG",
+    "FP8_ENGINE",
     "ENGINE_ENV",
     "MAX_TOKENS",
     "PROMPTS",
@@ -49,6 +51,14 @@ __all__ = [
     "worker_effective_weights",
     "worker_transfer_stats",
 ]
+
+FP8_ENGINE = pytest.mark.skipif(
+    not torch.cpu._is_amx_tile_supported(),
+    reason="vLLM 0.32's CPU FP8 kernels (block-scaled W8A8 and W8A16) need AMX tiles (Sapphire Rapids or "
+           "newer), which this CPU lacks: it cannot build an FP8 engine. The FP8 refit without an engine: "
+           "tests/dist/test_sync_fp8_dist.py",
+)
+"""Marks tests that start a vLLM FP8 engine: vLLM refuses one without the kernels (the same check it makes)."""
 
 #: An in-process engine (no engine-core process: its model is reachable from the test) with a
 #: 1 GiB KV cache, small enough for the shared test machine.

@@ -24,6 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.support.engine import FP8_ENGINE
+
 ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
 SIZES = {"hidden_size": 256, "intermediate_size": 512, "head_dim": 48, "num_attention_heads": 8,
          "num_key_value_heads": 8}
@@ -96,6 +98,7 @@ def engine_state(llm) -> dict:
             "parameters": {name: p.detach().clone() for name, p in model.named_parameters()}}
 
 
+@FP8_ENGINE
 def test_fp8_engine_refit_from_the_source_is_a_fresh_engine(checkpoints, fresh_b):
     from hp_dcp_hf.sync.source import HFWeightSource
 

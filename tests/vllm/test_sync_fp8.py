@@ -25,6 +25,7 @@ import torch
 
 from tests.support.engine import (
     ENGINE_CONFIG,
+    FP8_ENGINE,
     generate,
     shutdown_engine,
     start_engine,
@@ -58,6 +59,7 @@ def engine(tmp_path_factory):
     shutdown_engine(llm)
 
 
+@FP8_ENGINE
 @pytest.mark.parametrize("layout", ["tp", "fsdp"])
 def test_fp8_updates_equal_a_fresh_engine_on_the_fp8_save(engine, tmp_path, layout):
     llm = engine["llm"]
