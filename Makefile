@@ -12,7 +12,11 @@ PY     := $(BIN)/python
 # torch is pinned for the dev install and installed first, on its own: a bare `torch` requirement
 # resolved by pip could pull a multi-GB CUDA build; torch==2.13.0 is the CPU wheel here.
 TORCH_PIN ?= torch==2.13.0
-# Re-install whenever pyproject.toml changes; otherwise `make venv` is instant.
+# transformers is pinned for the dev install too: its TP / EP / FSDP plans and conversion mappings are
+# what the tests compare against, and a new release changes them (5.25 dropped Mixtral's expert TP
+# plan). The package itself admits transformers>=5.0,<6 (pyproject.toml).
+TRANSFORMERS_PIN ?= transformers==5.24.0
+# Re-install whenever pyproject.toml or the pins here change; otherwise `make venv` is instant.
 STAMP  := $(VENV)/.hp-dcp-hf-installed
 # `make demo` needs only the [demo] extra (about a tenth of the packages of [test,demo]: no moto,
 # torchtitan, datasets, wandb); a dev install ($(STAMP), up to date) has it already.
@@ -72,15 +76,15 @@ venv: $(STAMP)
 INSTALL = test -x $(PY) || $(PYTHON) -m venv $(VENV); \
 	$(PY) -m pip install --upgrade pip && \
 	$(PY) -m pip install '$(TORCH_PIN)' && \
-	$(PY) -m pip install -e '.[$(1)]' '$(TORCH_PIN)'
+	$(PY) -m pip install -e '.[$(1)]' '$(TORCH_PIN)' '$(TRANSFORMERS_PIN)'
 
 DEV_EXTRAS := test,demo
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	$(call INSTALL,$(DEV_EXTRAS))
 	@touch $@
 
-$(DEMO_STAMP): pyproject.toml
-	@if [ -f $(STAMP) ] && [ $(STAMP) -nt pyproject.toml ]; then :; else \
+$(DEMO_STAMP): pyproject.toml Makefile
+	@if [ -f $(STAMP) ] && [ $(STAMP) -nt pyproject.toml ] && [ $(STAMP) -nt Makefile ]; then :; else \
 	  echo "make demo: installing the project with its [demo] extra into $(VENV)"; $(call INSTALL,demo); fi
 	@touch $@
 
