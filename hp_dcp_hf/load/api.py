@@ -31,12 +31,14 @@ from hp_dcp_hf.model.config import CONFIG_FILE, check_architecture, read_config
 from hp_dcp_hf.storage import HFStorageReader
 from hp_dcp_hf.util.collectives import agree_on_failure, should_broadcast
 from hp_dcp_hf.util.dcp import is_rank0, quiet_dcp, unwrap_checkpoint_exception
+from hp_dcp_hf.util.perf import paused_gc
 
 Loader = Literal["dcp", "legacy"]
 
 logger = logging.getLogger(__name__)
 
 
+@paused_gc()  # once over the whole load: a pause per phase let the collector in at each phase's end
 def load_hf_checkpoint(
     model: nn.Module,
     path: str,
