@@ -67,9 +67,9 @@ def test_tied_aliases_count_as_loaded_and_lm_head_is_read_once(llama_checkpoint)
 
 
 def test_a_load_runs_with_collection_paused(llama_checkpoint):
-    """One pause over the whole ``dcp.load``, not one per phase: each phase's end let the collector
-    run with the load's structures alive, promoting them, and a process holding a model paid a full
-    collection (0.4-0.6 s at 4 ranks on the MoE benchmark) every third load instead of every sixth."""
+    """One pause over the whole load, not one per phase: each phase's end let the collector run with
+    the load's structures alive, promoting them, until a process holding a model paid a full
+    collection inside a load (0.4-0.6 s at 4 ranks on the MoE benchmark, one load in eight)."""
     model = _meta_model("llama")
     collections: list[int] = []
 
