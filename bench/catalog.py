@@ -1,7 +1,8 @@
 """The metadata phase at cluster scale: DeepSeek-V3's catalog (45,395 tensors in 175 files, the
 simulation's layout) encoded on rank 0 and decoded on every rank, with the cyclic collector
 running and paused, side by side in one process that holds the meta model (as a loading process
-holds its model).
+holds its model); and ``metadata``: what every rank but the scanning one does with the broadcast
+payload, decoding it and building DCP's ``Metadata`` (collection paused, as ``read_metadata`` runs).
 
 ``python -m bench.catalog [--reps 3]``: prints the payload size and the seconds of each.
 """
@@ -15,6 +16,7 @@ import time
 from collections.abc import Sequence
 
 from hp_dcp_hf.storage.format.catalog import Catalog, CheckpointTensor
+from hp_dcp_hf.storage.read.reader import dcp_metadata
 from hp_dcp_hf.util.perf import paused_gc
 
 
@@ -47,6 +49,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 else:
                     spent = _timed(call)
                 seconds.setdefault(f"{step} ({'paused' if paused else 'collecting'})", []).append(spent)
+
+    def metadata() -> None:
+        decoded = Catalog.from_json(raw)
+        dcp_metadata(decoded.entries, decoded.quantization_config, checkpoint_id=decoded.root, load_id="bench")
+
+    for _ in range(args.reps):
+        with paused_gc():
+            seconds.setdefault("metadata (paused)", []).append(_timed(metadata))
     for name, values in seconds.items():
         print(f"  {name}: median {statistics.median(values):.3f} s (min {min(values):.3f}, max {max(values):.3f})")
     return 0

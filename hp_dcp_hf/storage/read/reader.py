@@ -56,6 +56,40 @@ from hp_dcp_hf.util.collectives import share_from_rank0, should_broadcast
 from hp_dcp_hf.util.perf import paused_gc
 
 
+def dcp_metadata(entries: Mapping[str, CheckpointTensor], quantization_config: Mapping[str, Any] | None, *,
+                 checkpoint_id: str, load_id: str) -> Metadata:
+    """DCP's view of a checkpoint: one whole-tensor chunk per key, however it is stored (planners
+    read boxes of it), and each key's :class:`CheckpointTensor` under ``MetadataIndex(key, origin)``,
+    where DCP's planners look chunks up.
+
+    Keys of one dtype and shape share one ``TensorStorageMetadata`` (DCP's planners read it, never
+    write it): DeepSeek-V3's 45,395 keys come in a few dozen, and building one set of objects per key
+    was half of every rank's metadata phase (0.25 s of 0.56 s on a core here)."""
+    shared: dict[tuple[torch.dtype, tuple[int, ...]], TensorStorageMetadata] = {}
+    origins: dict[int, torch.Size] = {}
+    state_dict_metadata: dict[str, Any] = {}
+    storage_data: dict[MetadataIndex, CheckpointTensor] = {}
+    for key, tensor in entries.items():
+        shape = tensor.shape
+        spec = shared.get((tensor.dtype, shape))
+        if spec is None:
+            size = torch.Size(shape)
+            origin = origins.setdefault(len(shape), torch.Size([0] * len(shape)))
+            spec = shared[tensor.dtype, shape] = TensorStorageMetadata(
+                properties=TensorProperties(dtype=tensor.dtype), size=size,
+                chunks=[ChunkStorageMetadata(offsets=origin, sizes=size)],
+            )
+        state_dict_metadata[key] = spec
+        storage_data[MetadataIndex(key, spec.chunks[0].offsets)] = tensor
+    return Metadata(
+        state_dict_metadata=state_dict_metadata,
+        # The planner needs it to read quantized tensors as their values (see mapping.quantized).
+        planner_data={QUANTIZATION_CONFIG: quantization_config},
+        storage_data=storage_data,
+        storage_meta=StorageMeta(checkpoint_id=checkpoint_id, load_id=load_id),
+    )
+
+
 class HFStorageReader(StorageReader):
     """Loads a Hugging Face safetensors checkpoint through ``torch.distributed.checkpoint``.
 
@@ -227,25 +261,7 @@ class HFStorageReader(StorageReader):
         self._shared = catalog.shared
         self.cooperating = self.cooperates(dist.get_world_size() if should_broadcast() else 1)
         self.entries = dict(catalog.entries)
-        state_dict_metadata: dict[str, Any] = {}
-        storage_data: dict[MetadataIndex, CheckpointTensor] = {}
-        for key, tensor in self.entries.items():
-            origin = torch.Size([0] * len(tensor.shape))
-            # The whole tensor as one chunk, however it is stored: planners read boxes of it.
-            state_dict_metadata[key] = TensorStorageMetadata(
-                properties=TensorProperties(dtype=tensor.dtype),
-                size=torch.Size(tensor.shape),
-                chunks=[ChunkStorageMetadata(offsets=origin, sizes=torch.Size(tensor.shape))],
-            )
-            # DCP's planners look chunks up as MetadataIndex(fqn, chunk offsets).
-            storage_data[MetadataIndex(key, origin)] = tensor
-        return Metadata(
-            state_dict_metadata=state_dict_metadata,
-            # The planner needs it to read quantized tensors as their values (see mapping.quantized).
-            planner_data={QUANTIZATION_CONFIG: catalog.quantization_config},
-            storage_data=storage_data,
-            storage_meta=StorageMeta(checkpoint_id=self.path, load_id=self.load_id),
-        )
+        return dcp_metadata(self.entries, catalog.quantization_config, checkpoint_id=self.path, load_id=self.load_id)
 
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
