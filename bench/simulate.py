@@ -100,15 +100,10 @@ class Checkpoint:
 
 
 def build_checkpoint(arch: str) -> Checkpoint:
-    from torch.distributed.checkpoint.metadata import (
-        ChunkStorageMetadata,
-        Metadata,
-        TensorProperties,
-        TensorStorageMetadata,
-    )
-
     from bench.workloads import checkpoint_layout, meta_model, split_files
     from hp_dcp_hf.storage import TensorEntry
+    from hp_dcp_hf.storage.format.catalog import CheckpointTensor
+    from hp_dcp_hf.storage.read.reader import dcp_metadata
 
     config = make_config(arch)
     model = meta_model(config)
@@ -124,10 +119,9 @@ def build_checkpoint(arch: str) -> Checkpoint:
             entries[key] = TensorEntry(key=key, file=name, dtype_name="BF16", dtype=t.dtype, shape=tuple(t.shape),
                                        data_start=offset, nbytes=size)
             offset += size
-    metadata = Metadata(state_dict_metadata={
-        key: TensorStorageMetadata(TensorProperties(dtype=t.dtype), t.shape,
-                                   [ChunkStorageMetadata(torch.Size([0] * t.ndim), t.shape)])
-        for key, t in layout.items()})
+    # DCP's view as the reader builds it from these entries
+    stored = {k: CheckpointTensor(k, e.dtype_name, e.dtype, e.shape, (e,)) for k, e in entries.items()}
+    metadata = dcp_metadata(stored, None, checkpoint_id=f"s3://bench/{arch}", load_id="simulate")
     experts = getattr(config, "n_routed_experts", None) or getattr(config, "num_experts", 0)
     return Checkpoint(model, metadata, entries, len(files), nbytes, experts)
 
