@@ -324,3 +324,36 @@ def test_a_send_tree_keeps_the_busiest_of_1024_hsdp_ranks_within_twice_the_mean(
         routed = plan.route(needs_by_rank[rank])
         assert shares[rank].received == routed.select(routed.owner != rank).nbytes
     assert sum(t.sent for t in shares) == sum(t.received for t in shares)
+
+
+def test_a_landing_span_reads_into_destinations_cut_anywhere_with_holes_dropped():
+    """A span only its owner needs is read straight into the destinations: the views of any cut of
+    it are the parts' bytes in place, and scratch for the holes between them."""
+    from hp_dcp_hf.storage.read.routing import Run
+    from hp_dcp_hf.storage.read.span_reads import _landing, _landing_views, _Needs
+
+    class Chunk:  # a chunk whose destination takes the file's bytes as stored
+        def __init__(self, nbytes: int) -> None:
+            self.dest, self.nbytes, self.direct = torch.zeros(nbytes, dtype=torch.uint8), nbytes, True
+
+    chunks = [Chunk(10), Chunk(30)]
+    target = _Needs(chunks, lambda index: None, {})
+    # need 0: file bytes [110, 120) at 0; need 1: three rows of 5 bytes from 130, 10 apart, at 5
+    own = {7: [Run(7, 0, 0, 110, 10, 1, 0), Run(7, 1, 5, 130, 15, 3, 10)]}
+    landing = _landing(own, {7: 25}, target)
+    assert list(landing) == [7]
+    assert _landing({7: own[7]}, {7: 26}, target) == {}  # a byte of the span goes to another rank
+    file = torch.arange(100, 200, dtype=torch.uint8)  # byte i of the file holds i
+    for cuts in ([100, 200], [100, 115, 133, 200], [100, 111, 112, 141, 200]):
+        for start, end in zip(cuts, cuts[1:]):
+            views = _landing_views(landing[7], start, end, target)
+            assert sum(len(v) for v in views) == end - start
+            position = start
+            for view in views:  # as RangeFile.read_into fills them
+                view[:] = file[position - 100 : position - 100 + len(view)].numpy().tobytes()
+                position += len(view)
+        assert chunks[0].dest.tolist() == list(range(110, 120))
+        assert chunks[1].dest[5:20].tolist() == [*range(130, 135), *range(140, 145), *range(150, 155)]
+        assert chunks[1].dest[:5].tolist() + chunks[1].dest[20:].tolist() == [0] * 15  # nothing outside the parts
+        for chunk in chunks:
+            chunk.dest.zero_()

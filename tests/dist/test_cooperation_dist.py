@@ -364,3 +364,38 @@ def test_four_replicas_relay_down_their_chain_and_load_the_direct_values(tiny_ch
         assert s["received"] + s["own"] == s["needed"]
     assert sum(s["sent"] for s in shared) == sum(s["received"] for s in shared)
     assert sum(s["relayed"] for s in shared) > 0
+
+
+def _landing(rank: int, world: int, path: str) -> dict:
+    """bf16 into bf16 on ``dp=2,tp=2``: chunks take the file's bytes as stored, so the spans a rank
+    alone needs are read straight into its parameters; direct reads of the same load as reference."""
+    from hp_dcp_hf import HFStorageReader
+    from hp_dcp_hf.integrations.transformers import from_pretrained
+
+    states, out = {}, {}
+    for mode, options in (("never", {}), ("always", {"span_bytes": 4096}), ("always-direct-io", {
+            "span_bytes": 4096, "direct_io": True})):
+        reader = HFStorageReader(path, cooperate=mode.removesuffix("-direct-io"), **options)
+        model, report = from_pretrained(path, dtype=torch.bfloat16, distributed_config="dp=2,tp=2", reader=reader)
+        states[mode] = _full(model.state_dict())
+        out[mode] = {"read": reader.stats.total().bytes_read, "needed": report.plan.bytes_needed,
+                     "received": reader.exchange.bytes_received,
+                     "own": reader.spans.own_bytes if reader.spans else None,
+                     "landed": reader.spans.landed_bytes if reader.spans else None}
+    out["same"] = [all(torch.equal(states["never"][k], v) for k, v in states[mode].items())
+                   for mode in ("always", "always-direct-io")]
+    return out
+
+
+def test_spans_a_rank_alone_needs_land_in_its_parameters(tiny_checkpoints):
+    # MLP rows of 2 MiB a rank: stretches one rank alone needs are spans of their own (1 MiB and more)
+    llama = tiny_checkpoints("llama", torch.bfloat16, hidden_size=512, intermediate_size=4096)
+    results = run_ranks(4, _landing, str(llama.path), timeout=400)
+    assert all(r["same"] == [True, True] for r in results)  # bit-identical to the direct load
+    shared = [r["always"] for r in results]
+    assert sum(s["read"] for s in shared) == _tensor_bytes(str(llama.path))  # each byte read once
+    for s in shared:
+        assert s["received"] + s["own"] == s["needed"]
+        assert 2**20 < s["landed"] <= s["own"]  # every rank alone needs spans of MLP rows
+    # O_DIRECT reads need aligned buffers: spans are read whole into their own, and copied out
+    assert all(r["always-direct-io"]["landed"] == 0 for r in results)
