@@ -229,6 +229,7 @@ def _dcp(job: Job, rank: int, url: str, options: dict[str, Any]) -> Row:
         total, stats, exchange = reader.stats.total(), planner.stats, reader.exchange
         row.extra.update(gets=total.requests + total.header_requests, cooperating=reader.cooperating,
                          own_bytes=reader.spans.own_bytes if reader.spans else None,
+                         landed_bytes=reader.spans.landed_bytes if reader.spans else None,
                          spans=len(reader.spans.plan) if reader.spans else None,
                          exchange={"sent": exchange.bytes_sent, "received": exchange.bytes_received,
                                    "rounds": exchange.rounds})
@@ -440,6 +441,7 @@ def _layout(mesh: dict[str, int], rows: list[dict[str, Any]], needed: dict[str, 
             record["header_bytes"] = sum(r.get("header_bytes") or 0 for r in mine)
             record["exchange"] = [e.get("exchange") for e in extras]
             record["own_bytes"] = [e.get("own_bytes") for e in extras]
+            record["landed_bytes"] = [e.get("landed_bytes") for e in extras]
             record["spans"] = extras[0].get("spans")
         else:
             record["correct"] = None
