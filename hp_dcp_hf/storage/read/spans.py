@@ -128,7 +128,7 @@ class ClusterPlan:
         needed_lo, needed_hi = _keyed(union)
         needed = _covered(needed_lo, needed_hi, highs) - _covered(needed_lo, needed_hi, lows)
         touched = _touching(lows, first, last, order)
-        indptr, classes, nbytes = _needers(lows, highs, first, last, touched, group)
+        indptr, classes, nbytes = _needers(lows, highs, first, last, touched, group, order)
         indptr, needers, nbytes = _expand(indptr, classes, nbytes, twins)
         node_of = np.asarray(nodes if nodes is not None else range(world), dtype=np.int64)
         owner = _assign(highs - lows, indptr, needers, nbytes, node_of, target)
@@ -317,40 +317,49 @@ def _page_floor(positions: np.ndarray) -> np.ndarray:
 def _touching(keys: np.ndarray, first: np.ndarray, last: np.ndarray, order: np.ndarray | None = None
               ) -> tuple[np.ndarray, np.ndarray]:
     """For byte extents (keys), the first and last span (of those starting at ``keys``) they may
-    touch, clipped to the plan. ``order``: a sort of ``first``, if known (a million binary
-    searches in order hit the cache)."""
-    if order is not None:
-        lo, hi = np.empty_like(first), np.empty_like(first)
-        lo[order], hi[order] = _touching(keys, first[order], last[order])
-        return lo, hi
-    lo = np.clip(np.searchsorted(keys, first, side="right") - 1, 0, max(len(keys) - 1, 0))
-    hi = np.clip(np.searchsorted(keys, last - 1, side="right") - 1, lo, max(len(keys) - 1, 0))
+    touch, clipped to the plan. ``order``: a sort of ``first``, if known: then the first spans come
+    from where each span starts among the sorted extents (a search per span, not per extent), and
+    the last by a search only for the extents reaching past their first span (few)."""
+    if not len(keys):
+        return np.zeros_like(first), np.zeros_like(first)
+    top = len(keys) - 1
+    if order is None:
+        lo = np.clip(np.searchsorted(keys, first, side="right") - 1, 0, top)
+    else:
+        # the extents from where span j starts up to where span j + 1 does begin in span j
+        starts = np.searchsorted(first[order], keys)
+        lo = np.empty_like(first)
+        lo[order] = np.clip(np.repeat(np.arange(-1, len(keys)), np.diff(starts, prepend=0, append=len(first))), 0, top)
+    hi = lo.copy()
+    beyond = np.flatnonzero(last - 1 >= np.append(keys, np.iinfo(np.int64).max)[lo + 1])
+    hi[beyond] = np.maximum(np.searchsorted(keys, last[beyond] - 1, side="right") - 1, lo[beyond])
     return lo, hi
 
 
 def _needers(lows: np.ndarray, highs: np.ndarray, first: np.ndarray, last: np.ndarray,
-             touched: tuple[np.ndarray, np.ndarray], rank: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+             touched: tuple[np.ndarray, np.ndarray], rank: np.ndarray, order: np.ndarray
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per span (``[lows, highs)``, keys), the ranks needing bytes in it and about how many (the
     extents ``first``, ``last`` of every rank's needs, need ``i`` of rank ``rank[i]``, inside the
     span: a preference for owners, not an exact count), as ``(indptr, ranks, nbytes)``: span
     ``s``'s are ``ranks[indptr[s]:indptr[s+1]]``. ``touched``: the spans each need may touch
-    (:func:`_touching`)."""
+    (:func:`_touching`); ``order``: a sort of ``first``."""
     if not len(lows) or not len(first):
         return np.zeros(len(lows) + 1, dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-    lo, hi = touched
-    counts = hi - lo + 1
-    at = np.repeat(np.arange(len(lo)), counts)
+    lo = touched[0][order]
+    counts = touched[1][order] - lo + 1
     span = consecutive(lo, counts)
-    inside = np.maximum(np.minimum(last[at], highs[span]) - np.maximum(first[at], lows[span]), 0)
-    # one pair per (span, rank): rank-major keys come (nearly) sorted, needs being in byte order
-    pair = rank[at] * len(lows) + span
-    order = np.argsort(pair, kind="stable")
-    pair, inside = pair[order], inside[order]
+    # in byte order (the extents gathered once, then repeated in place: no gathers scattered over them)
+    inside = np.maximum(np.minimum(np.repeat(last[order], counts), highs[span])
+                        - np.maximum(np.repeat(first[order], counts), lows[span]), 0)
+    # one pair per (span, rank), span-major: in byte order the pairs come nearly sorted already
+    ranks = int(rank.max()) + 1
+    pair = span * ranks + np.repeat(rank[order], counts)
+    sort = np.argsort(pair, kind="stable")
+    pair, inside = pair[sort], inside[sort]
     starts = np.flatnonzero(np.concatenate(([True], pair[1:] != pair[:-1])))
     pair, nbytes = pair[starts], np.add.reduceat(inside, starts)
-    order = np.argsort(pair % len(lows), kind="stable")  # by span, ranks ascending within one
-    spans, ranks, nbytes = pair[order] % len(lows), pair[order] // len(lows), nbytes[order]
-    return np.searchsorted(spans, np.arange(len(lows) + 1)), ranks, nbytes
+    return np.searchsorted(pair, np.arange(len(lows) + 1) * ranks), pair % ranks, nbytes
 
 
 def _keyed(ranges_by_file: Sequence[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
