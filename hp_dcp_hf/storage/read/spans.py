@@ -124,7 +124,7 @@ class ClusterPlan:
         # are cut to the reader's size whatever its length)
         target = max(span_bytes, min(MAX_SPAN_BYTES, -(-total // (16 * world))))
         lows, highs = _cut(*_keyed([merge(starts, ends, gap) for starts, ends in union]),
-                           _sole_stretches(first, last, group, population == 1), target)
+                           _sole_stretches(first, last, group, population == 1, order), target)
         needed_lo, needed_hi = _keyed(union)
         needed = _covered(needed_lo, needed_hi, highs) - _covered(needed_lo, needed_hi, lows)
         touched = _touching(lows, first, last, order)
@@ -369,23 +369,32 @@ def _keyed(ranges_by_file: Sequence[tuple[np.ndarray, np.ndarray]]) -> tuple[np.
             np.concatenate([empty, *(byte_key(f, ends) for f, (_, ends) in enumerate(ranges_by_file))]))
 
 
-def _sole_stretches(first: np.ndarray, last: np.ndarray, group: np.ndarray, alone: np.ndarray) -> np.ndarray:
+def _sole_stretches(first: np.ndarray, last: np.ndarray, group: np.ndarray, alone: np.ndarray, order: np.ndarray
+                    ) -> np.ndarray:
     """The bounds (keys, sorted) of the stretches of at least :data:`OWN_RUN_BYTES` that one rank's
     need extents alone cover (holes nobody's extents cover may lie inside): no other rank needs a
     byte there. Need ``i`` (extent ``first[i]``, ``last[i]``) is of class of twins ``group[i]``
     (ascending); ``alone[c]``: class ``c`` is one rank (the extents of a class of several cover,
-    but are nobody's alone)."""
-    if not len(first):
+    but are nobody's alone); ``order``: a stable sort of ``first``."""
+    if not len(first) or not alone.any():
         return np.zeros(0, dtype=np.int64)
     if np.any((group[1:] == group[:-1]) & (first[1:] < first[:-1])):
-        order = np.lexsort((first, group))
-        first, last, group = first[order], last[order], group[order]
-    # a class's own overlapping boxes count once: its extents merged
+        regroup = np.lexsort((first, group))
+        first, last, group = first[regroup], last[regroup], group[regroup]
+        order = np.argsort(first, kind="stable")
+    # a class's own overlapping boxes count once: its extents merged (each kept at its first need)
     reach = _running_max(last, group)
-    starts = np.flatnonzero(np.concatenate(([True], (group[1:] != group[:-1]) | (first[1:] > reach[:-1]))))
+    merged = np.concatenate(([True], (group[1:] != group[:-1]) | (first[1:] > reach[:-1])))
+    starts = np.flatnonzero(merged)
+    ends = np.empty_like(last)
+    ends[starts] = reach[np.append(starts[1:], len(first)) - 1]
+    # the merged extents by first byte: their starts sorted, their ends nearly (one extent rarely
+    # holds another), so that sorting both together merges two runs (ties between keys do not
+    # matter: only the coverage past each distinct key is read)
+    starts = order[merged[order]]
     label = group[starts]
     weight = np.where(alone[label], 1 + label * 2**20, 2)  # a class of several as two ranks: never depth one
-    keys = np.concatenate((first[starts], reach[np.append(starts[1:], len(first)) - 1]))
+    keys = np.concatenate((first[starts], ends[starts]))
     order = np.argsort(keys, kind="stable")
     keys = keys[order]
     # per segment between consecutive keys: how many ranks cover it and, where one does, which
