@@ -398,10 +398,11 @@ def _sole_stretches(first: np.ndarray, last: np.ndarray, group: np.ndarray, alon
     order = np.argsort(keys, kind="stable")
     keys = keys[order]
     # per segment between consecutive keys: how many ranks cover it and, where one does, which
-    cover = np.cumsum(np.concatenate((weight, -weight))[order])[:-1]
-    depth, rank = cover % 2**20, cover // 2**20
+    cover = np.concatenate((weight, -weight))[order]
+    np.cumsum(cover, out=cover)  # in place: a fresh 2M-entry array costs more in page faults than the sum
+    depth = cover[:-1] & (2**20 - 1)
     covered = np.flatnonzero((depth > 0) & (keys[1:] > keys[:-1]))
-    label = np.where(depth[covered] == 1, rank[covered], -1)
+    label = np.where(depth[covered] == 1, cover[covered] >> 20, -1)
     file = keys[covered] >> FILE_SHIFT
     new = np.concatenate(([True], (label[1:] != label[:-1]) | (file[1:] != file[:-1]) | (label[1:] < 0)))
     groups = np.flatnonzero(new)
