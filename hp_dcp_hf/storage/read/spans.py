@@ -280,16 +280,20 @@ class ClusterPlan:
 
 
 def twin_classes(needs_by_rank: Sequence[Needs]) -> tuple[np.ndarray, list[int]]:
-    """Per rank its class of twins (identical needs, row for row), and each class's first rank."""
-    seen: dict[bytes, int] = {}
+    """Per rank its class of twins (identical needs, row for row), and each class's first rank.
+    Needs are told apart by a hash of their bytes, then compared entry by entry, keeping no copy
+    of them (a thousand ranks' needs as bytes are tens of MB of fresh memory)."""
+    seen: dict[int, list[int]] = {}  # hash of a class's needs -> the classes with that hash
     classes = np.zeros(len(needs_by_rank), dtype=np.int64)
     distinct: list[int] = []
     for rank, needs in enumerate(needs_by_rank):
-        key = needs.rows.tobytes()
-        if key not in seen:
-            seen[key] = len(distinct)
+        alike = seen.setdefault(hash(needs.rows.tobytes()), [])
+        same = next((c for c in alike if np.array_equal(needs_by_rank[distinct[c]].rows, needs.rows)), None)
+        if same is None:
+            same = len(distinct)
+            alike.append(same)
             distinct.append(rank)
-        classes[rank] = seen[key]
+        classes[rank] = same
     return classes, distinct
 
 
