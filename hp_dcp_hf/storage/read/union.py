@@ -91,13 +91,15 @@ def union_of(table: Tensors, needs: Needs, first: np.ndarray, last: np.ndarray, 
         return [(empty, empty) for _ in range(files)]
     if order is None:
         order = np.argsort(first, kind="stable")
-    rows, ndim = needs.rows, table.ndim
-    numel = np.multiply.reduce([rows[:, 1 + ndim + d] for d in range(ndim)])
-    runs = (last - first == numel * table.itemsize[needs.tensor]) & (numel > 0)
+    rows, ndim, tensor = needs.rows, table.ndim, needs.tensor
+    nbytes = table.itemsize[tensor]
+    for d in range(ndim):
+        nbytes *= rows[:, 1 + ndim + d]
+    runs = (last - first == nbytes) & (nbytes > 0)
     boxed = np.zeros(len(table), dtype=bool)  # tensors with a box of several runs (or none)
-    boxed[needs.tensor[~runs]] = True
-    in_boxed = boxed[needs.tensor[order]]
-    solid = order[~in_boxed]
+    boxed[tensor[~runs]] = True
+    in_boxed = boxed[tensor][order]
+    solid = order[~in_boxed] if in_boxed.any() else order
     starts, ends = _merge_sorted(first[solid], last[solid], 0)
     start, end, file = _boxed_ranges(table, needs, first, last, order[in_boxed])
     if len(start):
