@@ -127,8 +127,12 @@ class ClusterPlan:
                            _sole_stretches(first, last, group, population == 1, order), target)
         needed_lo, needed_hi = _keyed(union)
         needed = _covered(needed_lo, needed_hi, highs) - _covered(needed_lo, needed_hi, lows)
-        touched = _touching(lows, first, last, order)
-        indptr, classes, nbytes = _needers(lows, highs, first, last, touched, group, order)
+        # the spans each need touches and each span's needers, from the extents in byte order
+        first_in_order, last_in_order = first[order], last[order]
+        lo, hi = _touching(lows, first_in_order, last_in_order, in_order=True)
+        touched = np.empty_like(lo), np.empty_like(hi)
+        touched[0][order], touched[1][order] = lo, hi
+        indptr, classes, nbytes = _needers(lows, highs, first_in_order, last_in_order, (lo, hi), group[order])
         indptr, needers, nbytes = _expand(indptr, classes, nbytes, twins)
         node_of = np.asarray(nodes if nodes is not None else range(world), dtype=np.int64)
         owner = _assign(highs - lows, indptr, needers, nbytes, node_of, target)
@@ -318,22 +322,21 @@ def _page_floor(positions: np.ndarray) -> np.ndarray:
     return positions - positions % _PAGE
 
 
-def _touching(keys: np.ndarray, first: np.ndarray, last: np.ndarray, order: np.ndarray | None = None
+def _touching(keys: np.ndarray, first: np.ndarray, last: np.ndarray, in_order: bool = False
               ) -> tuple[np.ndarray, np.ndarray]:
     """For byte extents (keys), the first and last span (of those starting at ``keys``) they may
-    touch, clipped to the plan. ``order``: a sort of ``first``, if known: then the first spans come
-    from where each span starts among the sorted extents (a search per span, not per extent), and
-    the last by a search only for the extents reaching past their first span (few)."""
+    touch, clipped to the plan. ``in_order``: ``first`` is sorted; then the first spans come from
+    where each span starts among the extents (a search per span, not per extent). The last spans
+    by a search only for the extents reaching past their first span (few)."""
     if not len(keys):
         return np.zeros_like(first), np.zeros_like(first)
     top = len(keys) - 1
-    if order is None:
-        lo = np.clip(np.searchsorted(keys, first, side="right") - 1, 0, top)
-    else:
+    if in_order:
         # the extents from where span j starts up to where span j + 1 does begin in span j
-        starts = np.searchsorted(first[order], keys)
-        lo = np.empty_like(first)
-        lo[order] = np.clip(np.repeat(np.arange(-1, len(keys)), np.diff(starts, prepend=0, append=len(first))), 0, top)
+        starts = np.searchsorted(first, keys)
+        lo = np.clip(np.repeat(np.arange(-1, len(keys)), np.diff(starts, prepend=0, append=len(first))), 0, top)
+    else:
+        lo = np.clip(np.searchsorted(keys, first, side="right") - 1, 0, top)
     hi = lo.copy()
     beyond = np.flatnonzero(last - 1 >= np.append(keys, np.iinfo(np.int64).max)[lo + 1])
     hi[beyond] = np.maximum(np.searchsorted(keys, last[beyond] - 1, side="right") - 1, lo[beyond])
@@ -341,24 +344,23 @@ def _touching(keys: np.ndarray, first: np.ndarray, last: np.ndarray, order: np.n
 
 
 def _needers(lows: np.ndarray, highs: np.ndarray, first: np.ndarray, last: np.ndarray,
-             touched: tuple[np.ndarray, np.ndarray], rank: np.ndarray, order: np.ndarray
-             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+             touched: tuple[np.ndarray, np.ndarray], rank: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per span (``[lows, highs)``, keys), the ranks needing bytes in it and about how many (the
     extents ``first``, ``last`` of every rank's needs, need ``i`` of rank ``rank[i]``, inside the
     span: a preference for owners, not an exact count), as ``(indptr, ranks, nbytes)``: span
     ``s``'s are ``ranks[indptr[s]:indptr[s+1]]``. ``touched``: the spans each need may touch
-    (:func:`_touching`); ``order``: a sort of ``first``."""
+    (:func:`_touching`). Any order of needs gives the same; by first byte, the pairs below come
+    nearly sorted (cheap to sort)."""
     if not len(lows) or not len(first):
         return np.zeros(len(lows) + 1, dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-    lo = touched[0][order]
-    counts = touched[1][order] - lo + 1
+    lo, hi = touched
+    counts = hi - lo + 1
     span = consecutive(lo, counts)
-    # in byte order (the extents gathered once, then repeated in place: no gathers scattered over them)
-    inside = np.maximum(np.minimum(np.repeat(last[order], counts), highs[span])
-                        - np.maximum(np.repeat(first[order], counts), lows[span]), 0)
-    # one pair per (span, rank), span-major: in byte order the pairs come nearly sorted already
+    inside = np.maximum(np.minimum(np.repeat(last, counts), highs[span])
+                        - np.maximum(np.repeat(first, counts), lows[span]), 0)
+    # one pair per (span, rank), span-major
     ranks = int(rank.max()) + 1
-    pair = span * ranks + np.repeat(rank[order], counts)
+    pair = span * ranks + np.repeat(rank, counts)
     sort = np.argsort(pair, kind="stable")
     pair, inside = pair[sort], inside[sort]
     starts = np.flatnonzero(np.concatenate(([True], pair[1:] != pair[:-1])))
