@@ -110,12 +110,12 @@ class Needs:
     def extents(self, table: Tensors) -> tuple[np.ndarray, np.ndarray]:
         """Each need's first and last byte (exclusive) as sortable keys (:func:`byte_key`: file, byte)."""
         t, ndim = self.tensor, table.ndim
-        first = table.key[t]
-        last = first + table.itemsize[t]
+        first, last = table.key[t], table.itemsize[t]  # last: the extent's length until first is added
         for d in range(ndim):  # a column at a time: numpy sums short rows slowly, a million of them
-            stride, offset = table.strides[:, d][t], self.rows[:, 1 + d]
-            first = first + offset * stride
-            last = last + (offset + self.rows[:, 1 + ndim + d] - 1) * stride
+            stride = table.strides[:, d][t]
+            first += self.rows[:, 1 + d] * stride  # in place: fewer fresh arrays of a million entries
+            last += (self.rows[:, 1 + ndim + d] - 1) * stride
+        last += first
         return first, last
 
     def byte_runs(self, table: Tensors) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

@@ -124,11 +124,15 @@ class ClusterPlan:
         # are cut to the reader's size whatever its length)
         target = max(span_bytes, min(MAX_SPAN_BYTES, -(-total // (16 * world))))
         lows, highs = _cut(*_keyed([merge(starts, ends, gap) for starts, ends in union]),
-                           _sole_stretches(first, last, group, population == 1), target)
+                           _sole_stretches(first, last, group, population == 1, order), target)
         needed_lo, needed_hi = _keyed(union)
         needed = _covered(needed_lo, needed_hi, highs) - _covered(needed_lo, needed_hi, lows)
-        touched = _touching(lows, first, last, order)
-        indptr, classes, nbytes = _needers(lows, highs, first, last, touched, group)
+        # the spans each need touches and each span's needers, from the extents in byte order
+        first_in_order, last_in_order = first[order], last[order]
+        lo, hi = _touching(lows, first_in_order, last_in_order, in_order=True)
+        touched = np.empty_like(lo), np.empty_like(hi)
+        touched[0][order], touched[1][order] = lo, hi
+        indptr, classes, nbytes = _needers(lows, highs, first_in_order, last_in_order, (lo, hi), group[order])
         indptr, needers, nbytes = _expand(indptr, classes, nbytes, twins)
         node_of = np.asarray(nodes if nodes is not None else range(world), dtype=np.int64)
         owner = _assign(highs - lows, indptr, needers, nbytes, node_of, target)
@@ -280,16 +284,20 @@ class ClusterPlan:
 
 
 def twin_classes(needs_by_rank: Sequence[Needs]) -> tuple[np.ndarray, list[int]]:
-    """Per rank its class of twins (identical needs, row for row), and each class's first rank."""
-    seen: dict[bytes, int] = {}
+    """Per rank its class of twins (identical needs, row for row), and each class's first rank.
+    Needs are told apart by a hash of their bytes, then compared entry by entry, keeping no copy
+    of them (a thousand ranks' needs as bytes are tens of MB of fresh memory)."""
+    seen: dict[int, list[int]] = {}  # hash of a class's needs -> the classes with that hash
     classes = np.zeros(len(needs_by_rank), dtype=np.int64)
     distinct: list[int] = []
     for rank, needs in enumerate(needs_by_rank):
-        key = needs.rows.tobytes()
-        if key not in seen:
-            seen[key] = len(distinct)
+        alike = seen.setdefault(hash(needs.rows.tobytes()), [])
+        same = next((c for c in alike if np.array_equal(needs_by_rank[distinct[c]].rows, needs.rows)), None)
+        if same is None:
+            same = len(distinct)
+            alike.append(same)
             distinct.append(rank)
-        classes[rank] = seen[key]
+        classes[rank] = same
     return classes, distinct
 
 
@@ -314,17 +322,24 @@ def _page_floor(positions: np.ndarray) -> np.ndarray:
     return positions - positions % _PAGE
 
 
-def _touching(keys: np.ndarray, first: np.ndarray, last: np.ndarray, order: np.ndarray | None = None
+def _touching(keys: np.ndarray, first: np.ndarray, last: np.ndarray, in_order: bool = False
               ) -> tuple[np.ndarray, np.ndarray]:
     """For byte extents (keys), the first and last span (of those starting at ``keys``) they may
-    touch, clipped to the plan. ``order``: a sort of ``first``, if known (a million binary
-    searches in order hit the cache)."""
-    if order is not None:
-        lo, hi = np.empty_like(first), np.empty_like(first)
-        lo[order], hi[order] = _touching(keys, first[order], last[order])
-        return lo, hi
-    lo = np.clip(np.searchsorted(keys, first, side="right") - 1, 0, max(len(keys) - 1, 0))
-    hi = np.clip(np.searchsorted(keys, last - 1, side="right") - 1, lo, max(len(keys) - 1, 0))
+    touch, clipped to the plan. ``in_order``: ``first`` is sorted; then the first spans come from
+    where each span starts among the extents (a search per span, not per extent). The last spans
+    by a search only for the extents reaching past their first span (few)."""
+    if not len(keys):
+        return np.zeros_like(first), np.zeros_like(first)
+    top = len(keys) - 1
+    if in_order:
+        # the extents from where span j starts up to where span j + 1 does begin in span j
+        starts = np.searchsorted(first, keys)
+        lo = np.clip(np.repeat(np.arange(-1, len(keys)), np.diff(starts, prepend=0, append=len(first))), 0, top)
+    else:
+        lo = np.clip(np.searchsorted(keys, first, side="right") - 1, 0, top)
+    hi = lo.copy()
+    beyond = np.flatnonzero(last - 1 >= np.append(keys, np.iinfo(np.int64).max)[lo + 1])
+    hi[beyond] = np.maximum(np.searchsorted(keys, last[beyond] - 1, side="right") - 1, lo[beyond])
     return lo, hi
 
 
@@ -334,23 +349,23 @@ def _needers(lows: np.ndarray, highs: np.ndarray, first: np.ndarray, last: np.nd
     extents ``first``, ``last`` of every rank's needs, need ``i`` of rank ``rank[i]``, inside the
     span: a preference for owners, not an exact count), as ``(indptr, ranks, nbytes)``: span
     ``s``'s are ``ranks[indptr[s]:indptr[s+1]]``. ``touched``: the spans each need may touch
-    (:func:`_touching`)."""
+    (:func:`_touching`). Any order of needs gives the same; by first byte, the pairs below come
+    nearly sorted (cheap to sort)."""
     if not len(lows) or not len(first):
         return np.zeros(len(lows) + 1, dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
     lo, hi = touched
     counts = hi - lo + 1
-    at = np.repeat(np.arange(len(lo)), counts)
     span = consecutive(lo, counts)
-    inside = np.maximum(np.minimum(last[at], highs[span]) - np.maximum(first[at], lows[span]), 0)
-    # one pair per (span, rank): rank-major keys come (nearly) sorted, needs being in byte order
-    pair = rank[at] * len(lows) + span
-    order = np.argsort(pair, kind="stable")
-    pair, inside = pair[order], inside[order]
+    inside = np.maximum(np.minimum(np.repeat(last, counts), highs[span])
+                        - np.maximum(np.repeat(first, counts), lows[span]), 0)
+    # one pair per (span, rank), span-major
+    ranks = int(rank.max()) + 1
+    pair = span * ranks + np.repeat(rank, counts)
+    sort = np.argsort(pair, kind="stable")
+    pair, inside = pair[sort], inside[sort]
     starts = np.flatnonzero(np.concatenate(([True], pair[1:] != pair[:-1])))
     pair, nbytes = pair[starts], np.add.reduceat(inside, starts)
-    order = np.argsort(pair % len(lows), kind="stable")  # by span, ranks ascending within one
-    spans, ranks, nbytes = pair[order] % len(lows), pair[order] // len(lows), nbytes[order]
-    return np.searchsorted(spans, np.arange(len(lows) + 1)), ranks, nbytes
+    return np.searchsorted(pair, np.arange(len(lows) + 1) * ranks), pair % ranks, nbytes
 
 
 def _keyed(ranges_by_file: Sequence[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
@@ -360,30 +375,40 @@ def _keyed(ranges_by_file: Sequence[tuple[np.ndarray, np.ndarray]]) -> tuple[np.
             np.concatenate([empty, *(byte_key(f, ends) for f, (_, ends) in enumerate(ranges_by_file))]))
 
 
-def _sole_stretches(first: np.ndarray, last: np.ndarray, group: np.ndarray, alone: np.ndarray) -> np.ndarray:
+def _sole_stretches(first: np.ndarray, last: np.ndarray, group: np.ndarray, alone: np.ndarray, order: np.ndarray
+                    ) -> np.ndarray:
     """The bounds (keys, sorted) of the stretches of at least :data:`OWN_RUN_BYTES` that one rank's
     need extents alone cover (holes nobody's extents cover may lie inside): no other rank needs a
     byte there. Need ``i`` (extent ``first[i]``, ``last[i]``) is of class of twins ``group[i]``
     (ascending); ``alone[c]``: class ``c`` is one rank (the extents of a class of several cover,
-    but are nobody's alone)."""
-    if not len(first):
+    but are nobody's alone); ``order``: a stable sort of ``first``."""
+    if not len(first) or not alone.any():
         return np.zeros(0, dtype=np.int64)
     if np.any((group[1:] == group[:-1]) & (first[1:] < first[:-1])):
-        order = np.lexsort((first, group))
-        first, last, group = first[order], last[order], group[order]
-    # a class's own overlapping boxes count once: its extents merged
+        regroup = np.lexsort((first, group))
+        first, last, group = first[regroup], last[regroup], group[regroup]
+        order = np.argsort(first, kind="stable")
+    # a class's own overlapping boxes count once: its extents merged (each kept at its first need)
     reach = _running_max(last, group)
-    starts = np.flatnonzero(np.concatenate(([True], (group[1:] != group[:-1]) | (first[1:] > reach[:-1]))))
+    merged = np.concatenate(([True], (group[1:] != group[:-1]) | (first[1:] > reach[:-1])))
+    starts = np.flatnonzero(merged)
+    ends = np.empty_like(last)
+    ends[starts] = reach[np.append(starts[1:], len(first)) - 1]
+    # the merged extents by first byte: their starts sorted, their ends nearly (one extent rarely
+    # holds another), so that sorting both together merges two runs (ties between keys do not
+    # matter: only the coverage past each distinct key is read)
+    starts = order[merged[order]]
     label = group[starts]
     weight = np.where(alone[label], 1 + label * 2**20, 2)  # a class of several as two ranks: never depth one
-    keys = np.concatenate((first[starts], reach[np.append(starts[1:], len(first)) - 1]))
+    keys = np.concatenate((first[starts], ends[starts]))
     order = np.argsort(keys, kind="stable")
     keys = keys[order]
     # per segment between consecutive keys: how many ranks cover it and, where one does, which
-    cover = np.cumsum(np.concatenate((weight, -weight))[order])[:-1]
-    depth, rank = cover % 2**20, cover // 2**20
+    cover = np.concatenate((weight, -weight))[order]
+    np.cumsum(cover, out=cover)  # in place: a fresh 2M-entry array costs more in page faults than the sum
+    depth = cover[:-1] & (2**20 - 1)
     covered = np.flatnonzero((depth > 0) & (keys[1:] > keys[:-1]))
-    label = np.where(depth[covered] == 1, rank[covered], -1)
+    label = np.where(depth[covered] == 1, cover[covered] >> 20, -1)
     file = keys[covered] >> FILE_SHIFT
     new = np.concatenate(([True], (label[1:] != label[:-1]) | (file[1:] != file[:-1]) | (label[1:] < 0)))
     groups = np.flatnonzero(new)

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from hp_dcp_hf.storage.read.needs import Need, Needs, StoredTensor, Tensors, table_of
+from hp_dcp_hf.storage.read.needs import BYTE_MASK, Need, Needs, StoredTensor, Tensors, byte_key, table_of
 
 
 def merge(starts: np.ndarray, ends: np.ndarray, gap: int) -> tuple[np.ndarray, np.ndarray]:
@@ -15,7 +15,13 @@ def merge(starts: np.ndarray, ends: np.ndarray, gap: int) -> tuple[np.ndarray, n
     if not len(starts):
         return starts, ends
     order = np.lexsort((ends, starts))
-    starts, ends = starts[order], ends[order]
+    return _merge_sorted(starts[order], ends[order], gap)
+
+
+def _merge_sorted(starts: np.ndarray, ends: np.ndarray, gap: int) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`merge` of non-empty ranges already sorted by start."""
+    if not len(starts):
+        return starts, ends
     reach = np.maximum.accumulate(ends)
     breaks = np.nonzero(starts[1:] > reach[:-1] + gap)[0] + 1
     first = np.concatenate(([0], breaks))
@@ -74,12 +80,47 @@ def concatenated(needs_by_rank: Sequence[Needs], table: Tensors) -> Needs:
 def union_of(table: Tensors, needs: Needs, first: np.ndarray, last: np.ndarray, files: int,
              order: np.ndarray | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
     """:func:`needed_union` of every rank's ``needs`` together, their extents ``first``, ``last``
-    (``order``: a stable sort of ``first``, when known)."""
+    (``order``: a stable sort of ``first``, when known).
+
+    A box that is one run of bytes (a block of rows: its extent holds exactly its bytes) is its
+    extent, so tensors whose every needed box is one are merged from the extents in ``order`` in
+    one pass, without comparing boxes (FSDP's shards: all of them); only the others' boxes are
+    deduplicated and tested for tiling."""
     empty = np.zeros(0, dtype=np.int64)
     if not len(needs):
         return [(empty, empty) for _ in range(files)]
+    if order is None:
+        order = np.argsort(first, kind="stable")
+    rows, ndim, tensor = needs.rows, table.ndim, needs.tensor
+    nbytes = table.itemsize[tensor]
+    for d in range(ndim):
+        nbytes *= rows[:, 1 + ndim + d]
+    runs = (last - first == nbytes) & (nbytes > 0)
+    boxed = np.zeros(len(table), dtype=bool)  # tensors with a box of several runs (or none)
+    boxed[tensor[~runs]] = True
+    in_boxed = boxed[tensor][order]
+    solid = order[~in_boxed] if in_boxed.any() else order
+    starts, ends = _merge_sorted(first[solid], last[solid], 0)
+    start, end, file = _boxed_ranges(table, needs, first, last, order[in_boxed])
+    if len(start):
+        starts, ends = merge(np.concatenate((starts, byte_key(file, start))),
+                             np.concatenate((ends, byte_key(file, end))), 0)
+    cuts = np.searchsorted(starts, byte_key(np.arange(files + 1), 0))  # a range never crosses files
+    return [(starts[lo:hi] & BYTE_MASK, ends[lo:hi] & BYTE_MASK) for lo, hi in zip(cuts[:-1], cuts[1:])]
+
+
+def _boxed_ranges(table: Tensors, needs: Needs, first: np.ndarray, last: np.ndarray, order: np.ndarray
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The byte ranges ``(start, end, file)`` of the needs ``order`` (a stable sort of some by
+    first byte, every need of their tensors). A tensor whose distinct needed boxes tile it is one
+    range, found without listing rows: the boxes' elements sum to the tensor's and, in byte order,
+    their extents do not overlap (row blocks), or else they tile it as a grid (:func:`_tiles`).
+    Others (a pipeline stage's part, overlapping layouts) are listed range by range."""
+    if not len(order):
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty, empty
     rows, ndim = needs.rows, table.ndim
-    index = _distinct_in_byte_order(needs, first, np.argsort(first, kind="stable") if order is None else order)
+    index = _distinct_in_byte_order(needs, first, order)
     first, last, tensors = first[index], last[index], rows[:, 0][index]
     numel = np.multiply.reduce([rows[:, 1 + ndim + d][index] for d in range(ndim)])
     groups = np.concatenate(([0], np.flatnonzero(np.diff(tensors)) + 1))
@@ -99,7 +140,7 @@ def union_of(table: Tensors, needs: Needs, first: np.ndarray, last: np.ndarray, 
     start = np.concatenate((table.data_start[full], begin))
     end = np.concatenate((table.data_start[full] + table.nbytes[full], begin + length))
     file = np.concatenate((table.file[full], table.file[listed.tensor[need]]))
-    return [merge(start[file == f], end[file == f], 0) for f in range(files)]
+    return start, end, file
 
 
 def _distinct_in_byte_order(needs: Needs, first: np.ndarray, order: np.ndarray) -> np.ndarray:
