@@ -9,7 +9,7 @@ one, and these runs never touch (the cut dim leaves a hole between them), so no 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from operator import attrgetter
 
@@ -168,3 +168,19 @@ def coalesce(pieces: Iterable[Piece], gap: int = 0) -> list[Request]:
     if current:
         requests.append(Request(current[0].start, current[-1].end, tuple(current)))
     return requests
+
+
+def request_views(request: Request, buffers: Sequence[memoryview] | Mapping[int, memoryview],
+                  scratch: memoryview) -> list[memoryview]:
+    """The memory ``request``'s bytes fill, in file order: each piece's bytes in its owner's buffer
+    (``buffers[piece.owner]`` from ``piece.offset``), the bytes between and after them in ``scratch``
+    (read and dropped; at most ``request.nbytes`` minus the pieces' bytes)."""
+    views, position = [], request.start
+    for piece in request.pieces:
+        if piece.start > position:
+            views.append(scratch[: piece.start - position])
+        views.append(buffers[piece.owner][piece.offset : piece.offset + piece.nbytes])
+        position = piece.end
+    if request.end > position:
+        views.append(scratch[: request.end - position])
+    return views

@@ -19,7 +19,7 @@ import torch
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 
 from hp_dcp_hf.errors import StorageReadError
-from hp_dcp_hf.storage.format.ranges import Request, coalesce, count_requests
+from hp_dcp_hf.storage.format.ranges import Request, coalesce, count_requests, request_views
 from hp_dcp_hf.storage.read.chunks import (
     Chunk,
     Chunker,
@@ -163,7 +163,7 @@ class DirectRead:
         ranges = pieces(batch)
         requests = coalesce(ranges, self.settings.gap)
         scratch = memoryview(bytearray(max(r.nbytes - sum(p.nbytes for p in r.pieces) for r in requests)))
-        self._read_requests(handle, requests, lambda r: _request_views(r, buffers, scratch), batch)
+        self._read_requests(handle, requests, lambda r: request_views(r, buffers, scratch), batch)
         record.landed()
         record.log(handle.file, requests)
         record.stats.add(
@@ -239,14 +239,3 @@ def _large_reads(batch: list[Chunk]) -> bool:
 def _byte_view(tensor: torch.Tensor) -> memoryview:
     """The writable bytes of a contiguous CPU tensor (any dtype, 0-d included)."""
     return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
-
-
-def _request_views(request: Request, buffers: list[memoryview], scratch: memoryview) -> list[memoryview]:
-    """The buffers ``request``'s bytes fill, in file order; gaps land in ``scratch`` and are dropped."""
-    views, position = [], request.start
-    for piece in request.pieces:
-        if piece.start > position:
-            views.append(scratch[: piece.start - position])
-        views.append(buffers[piece.owner][piece.offset : piece.offset + piece.nbytes])
-        position = piece.end
-    return views

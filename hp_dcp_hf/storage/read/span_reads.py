@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from hp_dcp_hf.storage.format.catalog import CheckpointTensor
 from hp_dcp_hf.storage.format.header import TensorEntry
-from hp_dcp_hf.storage.format.ranges import Piece
+from hp_dcp_hf.storage.format.ranges import Piece, Request, request_views
 from hp_dcp_hf.storage.read.copy import copy_into
 from hp_dcp_hf.storage.read.exchange import ExchangeStats, ReadProgress, Region, Stream, exchange
 from hp_dcp_hf.storage.read.needs import Need, Needs, StoredTensor, Tensors, decode_needs, encode_needs
@@ -323,8 +323,8 @@ def _landing(own_runs: dict[int, list[Run]], pending: dict[int, int], target: _N
     """The owned spans whose bytes go nowhere but into this rank's own destinations as stored
     (no other rank needs a byte of them, every chunk of theirs takes the file's bytes as they are,
     no two of their parts share a byte), each as its parts in file order: such a span is read
-    straight into the destinations, without a span buffer to fill and copy out of (a rank of the
-    S3 benchmark at ``dp=2,tp=2`` owns 233 MiB of them, of 243 MiB read)."""
+    straight into the destinations, without a span buffer to fill and copy out of. Spans are cut
+    there only where one rank alone needs 1 MiB or more (``OWN_RUN_BYTES``): large row blocks."""
     landing = {}
     for span, own in own_runs.items():
         if sum(run.nbytes for run in own) != pending[span] or not all(target.lands(run.need) for run in own):
@@ -341,22 +341,13 @@ def _landing(own_runs: dict[int, list[Run]], pending: dict[int, int], target: _N
 
 
 def _landing_views(parts: list[Piece], start: int, end: int, target: _Needs) -> list[memoryview]:
-    """What a read of ``[start, end)`` of a landing span fills, in file order: its parts' bytes in
-    their destinations, and scratch for the holes between them (bytes nobody needs, read and dropped)."""
-    views: list[memoryview] = []
-    position = start
-    for part in parts[bisect.bisect_right(parts, start, key=lambda p: p.end) :]:
-        if part.start >= end:
-            break
-        lo, hi = max(part.start, start), min(part.end, end)
-        if lo > position:
-            views.append(memoryview(bytearray(lo - position)))
-        buffer = target.buffer(part.owner)
-        views.append(memoryview(buffer[part.offset + lo - part.start : part.offset + hi - part.start].numpy()))
-        position = hi
-    if position < end:
-        views.append(memoryview(bytearray(end - position)))
-    return views
+    """What a read of ``[start, end)`` of a landing span fills (:func:`request_views`): its parts'
+    bytes, cut to the read, in their destinations, and scratch for the holes between them."""
+    inside = [Piece(max(p.start, start), min(p.end, end), p.owner, p.offset + max(p.start, start) - p.start)
+              for p in parts[bisect.bisect_right(parts, start, key=lambda p: p.end) :] if p.start < end]
+    buffers = {p.owner: memoryview(target.buffer(p.owner).numpy()) for p in inside}
+    scratch = memoryview(bytearray(end - start - sum(p.nbytes for p in inside)))
+    return request_views(Request(start, end, tuple(inside)), buffers, scratch)
 
 
 def _read_owned(location, plan, spans: _Spans, own_runs: dict[int, list[Run]], landing: dict[int, list[Piece]],
@@ -408,11 +399,14 @@ def _read_owned(location, plan, spans: _Spans, own_runs: dict[int, list[Run]], l
             spans.wake()
             raise
 
+    def stopping() -> bool:
+        return stop() or failed.is_set()
+
     futures = []
     with ThreadPoolExecutor(threads, "hp-dcp-hf-span") as pool:
         for span in spans.owned.tolist():
-            buffer = None if span in landing else spans.allocate(span, lambda: stop() or failed.is_set())
-            if buffer is None and (span not in landing or stop() or failed.is_set()):
+            buffer = None if span in landing else spans.allocate(span, stopping)
+            if stopping():
                 break
             start, end = int(plan.start[span]), int(plan.end[span])
             cuts = [*range(start, end, request_bytes), end]
