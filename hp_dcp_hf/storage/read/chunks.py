@@ -103,8 +103,8 @@ class Chunker:
         tensor = self.entries.get(key)
         if tensor is None:
             raise PlanningError("the plan reads a key the checkpoint does not have", file=self.path, key=key)
-        box = Box(tuple(item.storage_offsets), tuple(item.lengths))
-        if box.ndim != len(tensor.shape) or not Box.full(tensor.shape).contains(box):
+        box = Box(tuple(item.storage_offsets), tuple(item.lengths))  # offsets checked not negative
+        if box.ndim != len(tensor.shape) or any(o + s > n for o, s, n in zip(box.offsets, box.sizes, tensor.shape)):
             raise PlanningError(
                 f"read box {box} is outside the tensor of shape {tensor.shape}",
                 file=self.path if tensor.chunked else tensor.file,
@@ -114,7 +114,8 @@ class Chunker:
             return []
         chunks = []
         for entry, piece in tensor.pieces(box):
-            local = piece.relative_to(entry.box.offsets)  # the piece in the stored tensor's coordinates
+            # the piece in the stored tensor's coordinates (a tensor stored whole: its own)
+            local = piece.relative_to(entry.box.offsets) if tensor.chunked else piece
             view = _part(dest, piece, box)
             chunks.extend(
                 Chunk(item=index, entry=entry, box=part, dest=_part(view, part, local))
