@@ -74,7 +74,8 @@ def read_blocks(traced: Bound, global_box: Box, local_offsets: Sequence[int]) ->
     if blocks is None:
         blocks = structure.blocks[cache_key] = _slot_blocks(structure, global_box, local_offsets)
     keys = traced.keys
-    return [replace(block, key=keys[slot_of(block.key)]) for block in blocks]
+    # the constructor, not dataclasses.replace: 3x faster, once per read item of every load
+    return [ReadBlock(keys[slot_of(block.key)], block.source_box, block.origin, block.view) for block in blocks]
 
 
 def _slot_blocks(structure: Structure, global_box: Box, local_offsets: Sequence[int]) -> list[ReadBlock]:
