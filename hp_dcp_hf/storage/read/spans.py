@@ -87,13 +87,13 @@ class ClusterPlan:
     """Per rank, its class of twins: ranks whose needs are identical share one (numbered by their
     first rank's order)."""
     nodes: np.ndarray = field(repr=False, compare=False)
-    distinct: Needs = field(repr=False, compare=False)
-    """The needs of every class of twins (its first rank's), one class after the other: class
-    ``c``'s are rows ``bounds[c]:bounds[c + 1]``; routes of other ranks are cut from them, and their
-    extents were found in :meth:`build` once."""
+    distinct: tuple[Needs, ...] = field(repr=False, compare=False)
+    """The needs of every class of twins (its first rank's, the caller's arrays: no copy), numbered
+    one class after the other: class ``c``'s are rows ``bounds[c]:bounds[c + 1]``; routes of other
+    ranks are cut from them, and their extents were found in :meth:`build` once."""
     bounds: np.ndarray = field(repr=False, compare=False)
     touched: tuple[np.ndarray, np.ndarray] = field(repr=False, compare=False)
-    """Per row of ``distinct``, the first and last span its extent may touch."""
+    """Per row of ``distinct`` (so numbered), the first and last span its extent may touch."""
 
     @classmethod
     def build(
@@ -137,7 +137,8 @@ class ClusterPlan:
         node_of = np.asarray(nodes if nodes is not None else range(world), dtype=np.int64)
         owner = _assign(highs - lows, indptr, needers, nbytes, node_of, target)
         return cls(tuple(files), lows >> FILE_SHIFT, lows & BYTE_MASK, highs & BYTE_MASK, owner, needed, world,
-                   table, (indptr, needers), twins, node_of, every, bounds, touched)
+                   table, (indptr, needers), twins, node_of, tuple(needs_by_rank[r] for r in distinct), bounds,
+                   touched)
 
     def __len__(self) -> int:
         return len(self.start)
@@ -196,7 +197,11 @@ class ClusterPlan:
         first, last = self.touched
         rows = rows[self._reaching(within, first[rows], last[rows])]
         group = np.searchsorted(bounds, rows, side="right") - 1
-        routed, at = self._parts(Needs.from_rows(self.distinct.rows[rows], self.table), rows - bounds[group], group)
+        index = rows - bounds[group]
+        cuts = np.searchsorted(group, np.append(classes, len(bounds)))
+        chosen = [self.distinct[c].rows[index[lo:hi]] for c, lo, hi in zip(classes.tolist(), cuts[:-1], cuts[1:])]
+        none = np.zeros((0, 1 + 2 * self.table.ndim), dtype=np.int64)
+        routed, at = self._parts(Needs.from_rows(np.concatenate([none, *chosen]), self.table), index, group)
         keep = np.isin(routed.span, within, assume_unique=True)
         routed, group = routed.select(keep), group[at[keep]]
         cuts = np.searchsorted(group, np.append(classes, np.iinfo(np.int64).max))
