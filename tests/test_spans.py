@@ -170,8 +170,7 @@ def _greedy_owners(sizes, indptr, needers, needed, nodes, target) -> list[int]:
     """Owners as ``_assign``'s docstring states them, one span at a time in plain Python."""
     world, fair = len(nodes), int(sum(sizes)) / len(nodes) + target
     owners, load = [-1] * len(sizes), [0] * world
-    spans = [list(zip(needers[indptr[s] : indptr[s + 1]].tolist(), needed[indptr[s] : indptr[s + 1]].tolist()))
-             for s in range(len(sizes))]
+    spans = [list(zip(needers[lo:hi].tolist(), needed[lo:hi].tolist())) for lo, hi in zip(indptr[:-1], indptr[1:])]
     for rank in range(world):  # spans one rank alone needs: to it, in span order, within its share
         alone = [s for s, pairs in enumerate(spans) if [r for r, _ in pairs] == [rank]]
         for s in alone:

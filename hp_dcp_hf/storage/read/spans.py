@@ -140,8 +140,8 @@ class ClusterPlan:
         node_of = np.asarray(nodes if nodes is not None else range(world), dtype=np.int64)
         owner = _assign(highs - lows, indptr, needers, nbytes, node_of, target)
         return cls(tuple(files), lows >> FILE_SHIFT, lows & BYTE_MASK, highs & BYTE_MASK, owner, needed, world,
-                   table, (indptr, needers.astype(_index_type(world))), twins, node_of, tuple(needs_by_rank[r] for r in distinct), bounds,
-                   touched)
+                   table, (indptr, needers.astype(_index_type(world))), twins, node_of,
+                   tuple(needs_by_rank[r] for r in distinct), bounds, touched)
 
     def __len__(self) -> int:
         return len(self.start)
@@ -568,12 +568,13 @@ def _assign(sizes: np.ndarray, indptr: np.ndarray, needers: np.ndarray, needed: 
     ranks, wanted = needers[listed], needed[listed]
     ends = np.append(np.flatnonzero((span[1:] != span[:-1]) | (wanted[1:] != wanted[:-1])) + 1, len(listed))
     his = np.cumsum(counts)
+    first_ends = ends[np.searchsorted(ends, his - counts, "right")]  # where each span's first run ends
     level = (ranks, memoryview(ranks), ends.tolist())
     held = load.tolist()
     node = np.unique(nodes, return_inverse=True)[1].reshape(-1)
     chosen = []
     lo = 0
-    for size, hi, end in zip(sizes[rest].tolist(), his.tolist(), ends[np.searchsorted(ends, his - counts, "right")].tolist()):
+    for size, hi, end in zip(sizes[rest].tolist(), his.tolist(), first_ends.tolist()):
         owner = _preferred(load, held, level, lo, hi, end, size, fair)
         if owner < 0:
             owner = _fallback(load, ranks[lo:hi], size, fair, node)
