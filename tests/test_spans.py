@@ -166,6 +166,52 @@ def test_owners_are_balanced_and_prefer_ranks_then_nodes_that_need_the_span():
     assert all(plan.bytes_read(r) > 0 for r in range(4))
 
 
+def _greedy_owners(sizes, indptr, needers, needed, nodes, target) -> list[int]:
+    """Owners as ``_assign``'s docstring states them, one span at a time in plain Python."""
+    world, fair = len(nodes), int(sum(sizes)) / len(nodes) + target
+    owners, load = [-1] * len(sizes), [0] * world
+    spans = [list(zip(needers[lo:hi].tolist(), needed[lo:hi].tolist())) for lo, hi in zip(indptr[:-1], indptr[1:])]
+    for rank in range(world):  # spans one rank alone needs: to it, in span order, within its share
+        alone = [s for s, pairs in enumerate(spans) if [r for r, _ in pairs] == [rank]]
+        for s in alone:
+            if load[rank] + sizes[s] <= fair and all(owners[t] >= 0 for t in alone if t < s):
+                owners[s], load[rank] = rank, load[rank] + int(sizes[s])
+    for s, pairs in enumerate(spans):
+        if owners[s] >= 0:
+            continue
+        size = int(sizes[s])
+        ranked = sorted(pairs, key=lambda pair: -pair[1])  # most needed first, then in rank order
+        fits = [i for i, (r, _) in enumerate(ranked) if load[r] + size <= fair]
+        if fits:
+            most = ranked[fits[0]][1]
+            owner = min((load[r], i, r) for i, (r, n) in enumerate(ranked) if i in fits and n == most)[2]
+        else:
+            local = [r for r in range(world) if nodes[r] in {nodes[q] for q, _ in pairs}]
+            owner = min(local, key=lambda r: (load[r], r)) if local else -1
+            if owner < 0 or load[owner] + size > fair:
+                owner = min(range(world), key=lambda r: (load[r], r))
+        owners[s], load[owner] = owner, load[owner] + size
+    return owners
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_owners_are_those_of_a_plain_greedy_one_span_at_a_time(seed):
+    """``_assign``'s lists, runs and single-key sort give the owners its docstring states: twins
+    needing equal bytes (ties), spans needed by more than 16 ranks, spans no needer can take."""
+    rng = np.random.default_rng(seed)
+    world, count = 48, 300
+    sizes = rng.integers(1, 9, count) * 2**20
+    per_span = [np.sort(rng.choice(world, size=int(rng.choice([1, 1, 3, 8, 24, 40])), replace=False))
+                for _ in range(count)]
+    indptr = np.concatenate(([0], np.cumsum([len(r) for r in per_span])))
+    needers = np.concatenate(per_span)
+    needed = rng.integers(1, 3, len(needers)) * 2**18  # two amounts: many ties, runs of more than 16
+    nodes = np.arange(world) // 8
+    target = int(rng.choice([2**20, 2**23]))
+    owners = spans_module._assign(sizes, indptr, needers, needed, nodes, target)
+    assert owners.tolist() == _greedy_owners(sizes, indptr, needers, needed, nodes, target)
+
+
 def test_a_stretch_one_rank_alone_needs_is_read_by_that_rank_and_never_sent():
     """Uneven row blocks of a 64 MiB weight (FSDP on 3 ranks: 22, 21, 21 rows) and a norm every
     rank needs: each rank reads its own block, whatever the span size; only the norm travels, and

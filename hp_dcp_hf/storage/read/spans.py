@@ -32,6 +32,7 @@ travels in :mod:`~hp_dcp_hf.storage.read.routing`.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -87,13 +88,13 @@ class ClusterPlan:
     """Per rank, its class of twins: ranks whose needs are identical share one (numbered by their
     first rank's order)."""
     nodes: np.ndarray = field(repr=False, compare=False)
-    distinct: Needs = field(repr=False, compare=False)
-    """The needs of every class of twins (its first rank's), one class after the other: class
-    ``c``'s are rows ``bounds[c]:bounds[c + 1]``; routes of other ranks are cut from them, and their
-    extents were found in :meth:`build` once."""
+    distinct: tuple[Needs, ...] = field(repr=False, compare=False)
+    """The needs of every class of twins (its first rank's, the caller's arrays: no copy), numbered
+    one class after the other: class ``c``'s are rows ``bounds[c]:bounds[c + 1]``; routes of other
+    ranks are cut from them, and their extents were found in :meth:`build` once."""
     bounds: np.ndarray = field(repr=False, compare=False)
     touched: tuple[np.ndarray, np.ndarray] = field(repr=False, compare=False)
-    """Per row of ``distinct``, the first and last span its extent may touch."""
+    """Per row of ``distinct`` (so numbered), the first and last span its extent may touch."""
 
     @classmethod
     def build(
@@ -113,10 +114,7 @@ class ClusterPlan:
         world = len(needs_by_rank)
         twins, distinct = twin_classes(needs_by_rank)
         population = np.bincount(twins, minlength=len(distinct))
-        every = concatenated([needs_by_rank[r] for r in distinct], table)
-        first, last = every.extents(table)
-        order = np.argsort(first, kind="stable")  # cheap: each rank's needs are a run in byte order
-        union = union_of(table, every, first, last, len(files), order)
+        first, last, order, union = _extents_and_union(table, [needs_by_rank[r] for r in distinct], len(files))
         bounds = np.cumsum([0, *(len(needs_by_rank[r]) for r in distinct)])
         group = np.repeat(np.arange(len(distinct)), np.diff(bounds))  # each need's class of twins
         total = sum(int((e - s).sum()) for s, e in union)
@@ -127,17 +125,23 @@ class ClusterPlan:
                            _sole_stretches(first, last, group, population == 1, order), target)
         needed_lo, needed_hi = _keyed(union)
         needed = _covered(needed_lo, needed_hi, highs) - _covered(needed_lo, needed_hi, lows)
-        # the spans each need touches and each span's needers, from the extents in byte order
-        first_in_order, last_in_order = first[order], last[order]
-        lo, hi = _touching(lows, first_in_order, last_in_order, in_order=True)
-        touched = np.empty_like(lo), np.empty_like(hi)
+        # the spans each need touches and each span's needers, from the extents in byte order (each
+        # array rebound as it is sorted: the build holds one copy of a million entries, not two)
+        first = first[order]
+        last = last[order]
+        group = group[order]
+        lo, hi = _touching(lows, first, last, in_order=True)
+        span_index = _index_type(len(lows))
+        touched = np.empty(len(lo), dtype=span_index), np.empty(len(hi), dtype=span_index)
         touched[0][order], touched[1][order] = lo, hi
-        indptr, classes, nbytes = _needers(lows, highs, first_in_order, last_in_order, (lo, hi), group[order])
+        del order
+        indptr, classes, nbytes = _needers(lows, highs, first, last, (lo, hi), group)
         indptr, needers, nbytes = _expand(indptr, classes, nbytes, twins)
         node_of = np.asarray(nodes if nodes is not None else range(world), dtype=np.int64)
         owner = _assign(highs - lows, indptr, needers, nbytes, node_of, target)
         return cls(tuple(files), lows >> FILE_SHIFT, lows & BYTE_MASK, highs & BYTE_MASK, owner, needed, world,
-                   table, (indptr, needers), twins, node_of, every, bounds, touched)
+                   table, (indptr, needers.astype(_index_type(world))), twins, node_of,
+                   tuple(needs_by_rank[r] for r in distinct), bounds, touched)
 
     def __len__(self) -> int:
         return len(self.start)
@@ -196,17 +200,24 @@ class ClusterPlan:
         first, last = self.touched
         rows = rows[self._reaching(within, first[rows], last[rows])]
         group = np.searchsorted(bounds, rows, side="right") - 1
-        routed, at = self._parts(Needs.from_rows(self.distinct.rows[rows], self.table), rows - bounds[group], group)
+        index = rows - bounds[group]
+        cuts = np.searchsorted(group, np.append(classes, len(bounds)))
+        chosen = [self.distinct[c].rows[index[lo:hi]] for c, lo, hi in zip(classes.tolist(), cuts[:-1], cuts[1:])]
+        none = np.zeros((0, 1 + 2 * self.table.ndim), dtype=np.int64)
+        routed, at = self._parts(Needs.from_rows(np.concatenate([none, *chosen]), self.table), index, group)
         keep = np.isin(routed.span, within, assume_unique=True)
         routed, group = routed.select(keep), group[at[keep]]
         cuts = np.searchsorted(group, np.append(classes, np.iinfo(np.int64).max))
         return {c: routed.select(slice(lo, hi)) for c, lo, hi in zip(classes.tolist(), cuts[:-1], cuts[1:])}
 
     def _reaching(self, within: np.ndarray, first: np.ndarray, last: np.ndarray) -> np.ndarray:
-        """Indices of the needs whose spans ``first..last`` include one of ``within`` (sorted)."""
-        after = np.searchsorted(within, first)  # the first span of within at or after each need's first
-        padded = np.append(within, len(self))  # past every span: "none after"
-        return np.flatnonzero(padded[after] <= last)
+        """Indices of the needs whose spans ``first..last`` include one of ``within`` (sorted): by
+        how many of them lie below each span, two lookups a need instead of a search (a million
+        needs of 1024 fsdp ranks: 4.7 ms, where searching a rank's owned spans took 9.5 ms)."""
+        below = np.zeros(len(self) + 1, dtype=np.int64)
+        below[within + 1] = 1
+        np.cumsum(below, out=below)
+        return np.flatnonzero(below[last + 1] > below[first])
 
     def _parts(self, needs: Needs, index: np.ndarray, group: np.ndarray | None = None) -> tuple[Routed, np.ndarray]:
         """The byte ranges of ``needs`` (need ``i`` known as ``index[i]``) in stream order, split
@@ -283,15 +294,37 @@ class ClusterPlan:
         return Routed(self.owner[span], span, file[at], lo, hi, need[at], offset[at] + lo - start[at]), at
 
 
+def _extents_and_union(table: Tensors, classes: list[Needs], files: int
+                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[tuple[np.ndarray, np.ndarray]]]:
+    """Every class's needs, one class after the other: their extents, a stable sort of their first
+    bytes, and their union per file. The needs are concatenated only while these are found (41.7 MB
+    at 1024 FSDP ranks of DeepSeek-V3): the plan keeps the classes' own arrays, and the rest of the
+    build does not pile its temporaries on top of the copy."""
+    every = concatenated(classes, table)
+    first, last = every.extents(table)
+    order = np.argsort(first, kind="stable")  # cheap: each rank's needs are a run in byte order
+    return first, last, order, union_of(table, every, first, last, files, order)
+
+
+def _index_type(count: int) -> type[np.signedinteger]:
+    """The smallest of int32 and int64 holding indices below ``count``: the plan's per-need and
+    per-pair indices at half the memory (fresh memory costs this VM more than the arithmetic)."""
+    return np.int32 if count <= np.iinfo(np.int32).max else np.int64
+
+
 def twin_classes(needs_by_rank: Sequence[Needs]) -> tuple[np.ndarray, list[int]]:
     """Per rank its class of twins (identical needs, row for row), and each class's first rank.
-    Needs are told apart by a hash of their bytes, then compared entry by entry, keeping no copy
-    of them (a thousand ranks' needs as bytes are tens of MB of fresh memory)."""
-    seen: dict[int, list[int]] = {}  # hash of a class's needs -> the classes with that hash
+    Needs are told apart by a fingerprint, their entries' dot product with fixed random odd
+    weights (wrapping), then compared entry by entry, keeping no copy of them (1024 hsdp ranks:
+    10 ms, where hashing their bytes took 27 ms and copied 95 MB)."""
+    longest = max((needs.rows.size for needs in needs_by_rank), default=0)
+    weights = np.random.default_rng(0).integers(1, 2**62, size=longest, dtype=np.int64) | 1
+    seen: dict[int, list[int]] = {}  # fingerprint of a class's needs -> the classes with that fingerprint
     classes = np.zeros(len(needs_by_rank), dtype=np.int64)
     distinct: list[int] = []
     for rank, needs in enumerate(needs_by_rank):
-        alike = seen.setdefault(hash(needs.rows.tobytes()), [])
+        entries = needs.rows.reshape(-1)
+        alike = seen.setdefault(int(np.dot(entries, weights[: len(entries)])), [])
         same = next((c for c in alike if np.array_equal(needs_by_rank[distinct[c]].rows, needs.rows)), None)
         if same is None:
             same = len(distinct)
@@ -313,7 +346,9 @@ def _expand(indptr: np.ndarray, classes: np.ndarray, nbytes: np.ndarray, twins: 
     ranks = order[consecutive(starts[classes], counts)]
     span = np.repeat(np.repeat(np.arange(len(indptr) - 1), np.diff(indptr)), counts)
     weight = np.repeat(nbytes, counts)
-    sort = np.lexsort((ranks, span))
+    # each (span, rank) pair once: one int64 key sorts them as lexsort would (hsdp at 1024 ranks,
+    # 670k pairs: 4 ms, where lexsort takes 24 ms)
+    sort = np.argsort(span * len(twins) + ranks, kind="stable")
     return np.searchsorted(span[sort], np.arange(len(indptr))), ranks[sort], weight[sort]
 
 
@@ -356,13 +391,23 @@ def _needers(lows: np.ndarray, highs: np.ndarray, first: np.ndarray, last: np.nd
     lo, hi = touched
     counts = hi - lo + 1
     span = consecutive(lo, counts)
-    inside = np.maximum(np.minimum(np.repeat(last, counts), highs[span])
-                        - np.maximum(np.repeat(first, counts), lows[span]), 0)
+    # each (need, span) pair's bytes, computed in place: a million pairs at 1024 FSDP ranks, where
+    # every fresh array costs more than its arithmetic (this function's peak: 59 -> 52 MB)
+    inside = np.repeat(last, counts)
+    np.minimum(inside, highs[span], out=inside)
+    begin = np.repeat(first, counts)
+    np.maximum(begin, lows[span], out=begin)
+    inside -= begin
+    del begin
+    np.maximum(inside, 0, out=inside)
     # one pair per (span, rank), span-major
     ranks = int(rank.max()) + 1
-    pair = span * ranks + np.repeat(rank, counts)
+    pair = span
+    pair *= ranks
+    pair += np.repeat(rank, counts)
     sort = np.argsort(pair, kind="stable")
-    pair, inside = pair[sort], inside[sort]
+    pair = pair[sort]
+    inside = inside[sort]
     starts = np.flatnonzero(np.concatenate(([True], pair[1:] != pair[:-1])))
     pair, nbytes = pair[starts], np.add.reduceat(inside, starts)
     return np.searchsorted(pair, np.arange(len(lows) + 1) * ranks), pair % ranks, nbytes
@@ -391,28 +436,48 @@ def _sole_stretches(first: np.ndarray, last: np.ndarray, group: np.ndarray, alon
     # a class's own overlapping boxes count once: its extents merged (each kept at its first need)
     reach = _running_max(last, group)
     merged = np.concatenate(([True], (group[1:] != group[:-1]) | (first[1:] > reach[:-1])))
-    starts = np.flatnonzero(merged)
+    heads = np.flatnonzero(merged)
     ends = np.empty_like(last)
-    ends[starts] = reach[np.append(starts[1:], len(first)) - 1]
+    tails = np.append(heads[1:], len(first))
+    tails -= 1
+    ends[heads] = reach[tails]
+    del reach, heads, tails
     # the merged extents by first byte: their starts sorted, their ends nearly (one extent rarely
     # holds another), so that sorting both together merges two runs (ties between keys do not
-    # matter: only the coverage past each distinct key is read)
+    # matter: only the coverage past each distinct key is read). Two million events at 1024 FSDP
+    # ranks: written into buffers already held, and each array dropped once read, this function
+    # peaks 66 MB above its start instead of 127 MB (tracemalloc; fresh memory costs the time).
     starts = order[merged[order]]
-    label = group[starts]
-    weight = np.where(alone[label], 1 + label * 2**20, 2)  # a class of several as two ranks: never depth one
-    keys = np.concatenate((first[starts], ends[starts]))
-    order = np.argsort(keys, kind="stable")
-    keys = keys[order]
+    count = len(starts)
+    events = np.empty(2 * count, dtype=np.int64)
+    np.take(first, starts, out=events[:count])
+    np.take(ends, starts, out=events[count:])
+    del ends
+    order = np.argsort(events, kind="stable")
+    keys = events[order]
     # per segment between consecutive keys: how many ranks cover it and, where one does, which
-    cover = np.concatenate((weight, -weight))[order]
+    label = group[starts]
+    del starts
+    weight = events[:count]
+    np.left_shift(label, 20, out=weight)
+    weight += 1
+    weight[~alone[label]] = 2  # a class of several as two ranks: never depth one
+    del label
+    np.negative(weight, out=events[count:])
+    cover = events[order]
+    del events, order
     np.cumsum(cover, out=cover)  # in place: a fresh 2M-entry array costs more in page faults than the sum
-    depth = cover[:-1] & (2**20 - 1)
-    covered = np.flatnonzero((depth > 0) & (keys[1:] > keys[:-1]))
-    label = np.where(depth[covered] == 1, cover[covered] >> 20, -1)
-    file = keys[covered] >> FILE_SHIFT
+    # the segments of positive length some rank covers, and which one alone (-1: several)
+    covered = np.flatnonzero(((cover[:-1] & (2**20 - 1)) > 0) & (keys[1:] > keys[:-1]))
+    cover = cover[covered]
+    label = np.where((cover & (2**20 - 1)) == 1, cover >> 20, -1)
+    lo, hi = keys[covered], keys[covered + 1]
+    del cover, keys, covered
+    # runs of segments one rank covers alone in one file (holes nobody covers inside)
+    file = lo >> FILE_SHIFT
     new = np.concatenate(([True], (label[1:] != label[:-1]) | (file[1:] != file[:-1]) | (label[1:] < 0)))
     groups = np.flatnonzero(new)
-    lo, hi = keys[covered[groups]], keys[covered[np.append(groups[1:], len(covered)) - 1] + 1]
+    lo, hi = lo[groups], hi[np.append(groups[1:], len(new)) - 1]
     keep = (label[groups] >= 0) & (hi - lo >= OWN_RUN_BYTES)
     return _sorted_distinct(np.concatenate([lo[keep], hi[keep]]))
 
@@ -496,51 +561,72 @@ def _assign(sizes: np.ndarray, indptr: np.ndarray, needers: np.ndarray, needed: 
     rest = np.flatnonzero(owners < 0)
     counts = indptr[rest + 1] - indptr[rest]
     listed = consecutive(indptr[rest], counts)
-    # each span's needers by most needed bytes first (stably: then in rank order), as lists: the
-    # loop below looks at a few of them per span, where numpy costs more than the work
+    # each span's needers by most needed bytes first (stably: then in rank order), read one by one:
+    # the loop below looks at a few of them per span, where numpy costs more than the work
     span = np.repeat(np.arange(len(rest)), counts)
-    listed = listed[np.lexsort((-needed[listed], span))]
+    listed = listed[_by_span_then_most(span, needed[listed])]
     ranks, wanted = needers[listed], needed[listed]
     ends = np.append(np.flatnonzero((span[1:] != span[:-1]) | (wanted[1:] != wanted[:-1])) + 1, len(listed))
-    level = (ranks, ranks.tolist(), np.repeat(ends, np.diff(ends, prepend=0)).tolist())
+    his = np.cumsum(counts)
+    first_ends = ends[np.searchsorted(ends, his - counts, "right")]  # where each span's first run ends
+    level = (ranks, memoryview(ranks), ends.tolist())
     held = load.tolist()
     node = np.unique(nodes, return_inverse=True)[1].reshape(-1)
+    chosen = []
     lo = 0
-    for span, size, hi in zip(rest.tolist(), sizes[rest].tolist(), np.cumsum(counts).tolist()):
-        owner = _preferred(load, held, level, lo, hi, size, fair)
+    for size, hi, end in zip(sizes[rest].tolist(), his.tolist(), first_ends.tolist()):
+        owner = _preferred(load, held, level, lo, hi, end, size, fair)
         if owner < 0:
-            owner = _fallback(load, level[1][lo:hi], size, fair, node)
-        owners[span] = owner
+            owner = _fallback(load, ranks[lo:hi], size, fair, node)
+        chosen.append(owner)
         load[owner] += size
         held[owner] += size
         lo = hi
+    owners[rest] = chosen
     return owners
 
 
-def _preferred(load: np.ndarray, held: list[int], level: tuple[np.ndarray, list[int], list[int]], lo: int, hi: int,
-               size: int, fair: float) -> int:
-    """Of a span's needers ``level[0][lo:hi]`` (most needed bytes first; ``level[1]`` the same as a
-    list; ``level[2][i]``: where the needers needing as much as the ``i`` th end), the first of the
-    least loaded among those needing most while within ``fair`` after ``size`` more bytes (each
-    rank's ``load``, ``held`` as a list); -1 when none fits."""
+def _by_span_then_most(span: np.ndarray, needed: np.ndarray) -> np.ndarray:
+    """The order of pairs by ``span`` (ascending, already in runs), then most ``needed`` bytes
+    first, stably: one int64 key where it fits (hsdp at 1024 ranks: 10 ms, where ``lexsort``
+    takes 23 ms), else ``lexsort``."""
+    top = int(needed.max(initial=0)) + 1
+    if len(span) and (int(span[-1]) + 1) * top >= 2**63:
+        return np.lexsort((-needed, span))
+    return np.argsort(span * top + (top - 1 - needed), kind="stable")
+
+
+def _preferred(load: np.ndarray, held: list[int], level: tuple[np.ndarray, memoryview, list[int]], lo: int, hi: int,
+               end: int, size: int, fair: float) -> int:
+    """Of a span's needers ``level[0][lo:hi]`` (most needed bytes first; ``level[1]`` the same,
+    read entry by entry as ints without converting them all, 670k at hsdp; ``level[2]``: where
+    the runs of needers needing as much end, ``end`` the first's), the first of the least loaded
+    among those needing most while within ``fair`` after ``size`` more bytes (each rank's
+    ``load``, ``held`` as a list); -1 when none fits."""
     ranks, listed, ends = level
     for i in range(lo, hi):
         if held[listed[i]] + size <= fair:
             break
     else:
         return -1
-    end = ends[i]
-    if end - i <= 16:  # a few: as lists
-        return listed[min((held[listed[j]], j) for j in range(i, end) if held[listed[j]] + size <= fair)[1]]
-    loads = load[ranks[i:end]]
-    return int(ranks[i + int(np.argmin(np.where(loads + size <= fair, loads, np.iinfo(np.int64).max)))])
+    if i >= end:
+        end = ends[bisect_right(ends, i)]
+    if end - i > 16:  # many: numpy
+        loads = load[ranks[i:end]]
+        return int(ranks[i + int(np.argmin(np.where(loads + size <= fair, loads, np.iinfo(np.int64).max)))])
+    best = listed[i]
+    least = held[best]
+    for rank in listed[i + 1 : end]:
+        if held[rank] < least and held[rank] + size <= fair:
+            best, least = rank, held[rank]
+    return best
 
 
-def _fallback(load: np.ndarray, candidates: list[int], size: int, fair: float, nodes: np.ndarray) -> int:
+def _fallback(load: np.ndarray, candidates: np.ndarray, size: int, fair: float, nodes: np.ndarray) -> int:
     """The owner of a span no needer of which (``candidates``) can take within ``fair``: the least
     loaded rank on a node that needs it if it can, else the least loaded rank. ``nodes``: each
     rank's node, numbered from 0."""
-    if candidates:
+    if len(candidates):
         needing = np.zeros(int(nodes.max()) + 1, dtype=bool)
         needing[nodes[candidates]] = True
         local = np.flatnonzero(needing[nodes])
