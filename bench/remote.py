@@ -258,7 +258,7 @@ def _limit(job: Job, rank: int, url: str, options: dict[str, Any]) -> Row:
     if reader.cooperating:  # the floor: every needed byte once, each span by its owner
         every: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(every, items)  # the bench's own plan exchange: ReadItems it made itself
-        spans, _ = reader.plan_spans(every)
+        spans, *_ = reader.plan_spans(every)
         size = reader.request_bytes
         requests = [(spans.files[int(spans.file[i])], Request(start, min(start + size, int(spans.end[i])), ()))
                     for i in spans.owned(rank).tolist() for start in range(int(spans.start[i]), int(spans.end[i]), size)]

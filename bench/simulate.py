@@ -449,9 +449,9 @@ def spans_record(ckpt: Checkpoint, layout: Layout, composition: Any, totals: dic
     tensors = table.tensors
     encoded, record = cached_needs(ckpt, layout, composition, table, tensors, budget, log)
     needs = [decode_needs(e, tensors) for e in encoded]
-    need_bytes = [int((n.sizes.prod(1) * tensors.itemsize[n.tensor]).sum()) for n in needs]
+    need_bytes = [n.nbytes(tensors) for n in needs]
     mismatched = [r for r, b in enumerate(need_bytes) if b != totals["ours"][r]]
-    sizes = [int(e.nbytes) + 8 for e in encoded]  # + the node id gather_needs puts first
+    sizes = [int(e.nbytes) + 24 for e in encoded]  # + the three integers gather_needs puts first
     nodes = [rank // NODE for rank in range(layout.world)]
     ranks = sorted({0, layout.world // 2 + 1} & set(range(layout.world)))[:sampled]
     timings = []

@@ -408,7 +408,7 @@ def test_plan_names_the_coordinate_dims_and_speaks_of_replicas_only_where_there_
         "several ranks need some of the same checkpoint bytes and each reads its own copy: the ranks' shards need "
         f"{fmt_bytes(2 * replicated)} in all, {fmt_bytes(replicated)} more than the {fmt_bytes(replicated)} they "
         "need between them (2.00x); --cooperate always reads each byte once (the default, auto, does on remote "
-        "stores and shared file systems)")
+        "stores and shared file systems where that pays)")
     assert "cluster read amplification 2.000 (bytes read from storage / the " in out
 
 

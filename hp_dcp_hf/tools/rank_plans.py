@@ -106,7 +106,6 @@ def plan_ranks(
     config = read_config(path, reader.storage_options)
     dtype = resolve_dtype(dtype, config, lambda: (md.properties.dtype for md in metadata.state_dict_metadata.values()))
     model_cls = resolve_model_class(config)
-    cooperate = reader.cooperates(world)
     ranks: list[RankPlan] = []
     items_by_rank = []
     layout: list[str] = []
@@ -121,7 +120,8 @@ def plan_ranks(
             layout = parallelize.describe()
             unused = planner.reported_unexpected  # every rank's model uses the same checkpoint tensors
         ranks.append(_direct_plan(rank, coordinate, planner, reader.plan_requests(items), items if with_items else ()))
-    spans, shares = reader.plan_spans(items_by_rank)
+    spans, shares, pays = reader.plan_spans(items_by_rank)
+    cooperate = reader.cooperates(world) and pays  # what a load would do
     if cooperate:
         _plan_cooperation(reader, spans, shares, ranks)
     checkpoint_bytes = sum(e.nbytes for e in reader.entries.values())

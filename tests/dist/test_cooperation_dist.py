@@ -89,6 +89,16 @@ def _remote(rank: int, paths: dict[str, str]) -> dict:
         out[name] = {"cooperating": reader.cooperating, "read": total.bytes_read, "requests": total.requests,
                      "needed": report.plan.bytes_needed, "own": reader.spans.own_bytes,
                      "received": reader.exchange.bytes_received, "state": state if rank == 0 else None}
+    # FSDP x TP: spans would save little (norms replicated over tp), so "auto" reads directly
+    reader = HFStorageReader(paths["s3_direct"], storage_options=paths["s3_options"])
+    model, report = from_pretrained(paths["s3_direct"], dtype=torch.float32, distributed_config="dp=2,tp=2",
+                                    reader=reader)
+    total = reader.stats.total()
+    state = _full(model.state_dict())
+    out["s3_direct"] = {"eligible": reader.cooperates(4), "cooperating": reader.cooperating,
+                        "read": total.bytes_read, "needed": report.plan.bytes_needed, "spans": reader.spans,
+                        "received": reader.exchange.bytes_received, "phases": [k for k in report.seconds if k in ("spans", "exchange")],
+                        "state": state if rank == 0 else None}
     return out
 
 
@@ -147,8 +157,10 @@ def run(tiny_checkpoints, tmp_path_factory):
     try:
         moto.create_bucket("cooperation")
         moto.upload_dir(llama.path, "cooperation", "llama")
+        moto.upload_dir(llama.path, "cooperation", "llama-fsdp-tp")
         paths = {"llama": str(llama.path), "mixtral": str(mixtral.path), "fp8": str(fp8.path),
-                 "s3": "s3://cooperation/llama", "s3_options": moto.storage_options(), "http": http.url}
+                 "s3": "s3://cooperation/llama", "s3_direct": "s3://cooperation/llama-fsdp-tp",
+                 "s3_options": moto.storage_options(), "http": http.url}
         moto.start_recording()
         per_rank = run_ranks(4, _load, paths, timeout=400)
         moto.stop_recording()
@@ -215,11 +227,9 @@ def test_remote_servers_serve_each_needed_byte_once(run, store):
     per_rank, paths, logs, _ = run
     results = [r["remote"][store] for r in per_rank]
     assert all(r["cooperating"] for r in results)  # the default, auto, cooperates on remote stores
-    data_start = {f"/{f.name}": 8 + int.from_bytes(f.read_bytes()[:8], "little")
-                  for f in Path(paths["llama"]).glob("*.safetensors")}
+    data_start = _data_starts(paths["llama"])
     if store == "s3":
-        gets = [(r.path.rsplit("/", 1)[-1], int(r.range.split("=")[1].split("-")[0]), r.nbytes)
-                for r in logs["s3"] if r.method == "GET" and r.path.endswith(".safetensors")]
+        gets = _s3_gets(logs["s3"], "/llama/")
     else:
         gets = [(r.path.rsplit("/", 1)[-1], r.span[0], r.body_bytes)
                 for r in logs["http"] if r.method == "GET" and r.path.endswith(".safetensors")]
@@ -233,6 +243,35 @@ def test_remote_servers_serve_each_needed_byte_once(run, store):
     reference = load_reference(paths["llama"], "llama", torch.float32)
     for key, value in results[0]["state"].items():
         assert torch.equal(value, reference[key]), key
+
+
+def test_auto_reads_directly_where_spans_would_save_little(run):
+    """FSDP x TP from S3 with the default ``cooperate="auto"``: the ranks gather their needs and plan
+    the spans, which would save only the norms' second reads, so each rank reads its own items,
+    exchanging nothing; the server sends what they read, and the values are transformers'."""
+    per_rank, paths, logs, _ = run
+    results = [r["remote"]["s3_direct"] for r in per_rank]
+    assert all(r["eligible"] and not r["cooperating"] for r in results)
+    assert all(r["spans"] is None and r["received"] == 0 for r in results)
+    assert all(r["phases"] == ["spans"] for r in results)  # needs gathered and spans planned; no exchange
+    assert all(r["read"] >= r["needed"] for r in results)
+    data_start = _data_starts(paths["llama"])
+    data = [nbytes for file, start, nbytes in _s3_gets(logs["s3"], "/llama-fsdp-tp/") if start >= data_start[f"/{file}"]]
+    assert sum(data) == sum(r["read"] for r in results) > _tensor_bytes(paths["llama"])  # norms read twice
+    reference = load_reference(paths["llama"], "llama", torch.float32)
+    for key, value in results[0]["state"].items():
+        assert torch.equal(value, reference[key]), key
+
+
+def _data_starts(path: str) -> dict[str, int]:
+    """Each safetensors file's first tensor byte, by ``/name``: GETs from there on read tensor data."""
+    return {f"/{f.name}": 8 + int.from_bytes(f.read_bytes()[:8], "little") for f in Path(path).glob("*.safetensors")}
+
+
+def _s3_gets(log: list, prefix: str) -> list[tuple[str, int, int]]:
+    """``(file name, first byte, bytes)`` of each ranged GET of a safetensors file under ``prefix``."""
+    return [(r.path.rsplit("/", 1)[-1], int(r.range.split("=")[1].split("-")[0]), r.nbytes)
+            for r in log if r.method == "GET" and r.path.endswith(".safetensors") and prefix in r.path]
 
 
 def test_a_rank_failing_to_plan_or_mid_read_or_mid_exchange_fails_every_rank_with_its_error(run):

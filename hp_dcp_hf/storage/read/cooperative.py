@@ -1,19 +1,25 @@
 """The cooperative read mode: span ownership (:mod:`hp_dcp_hf.storage.read.span_reads`). Each rank
 reads the spans it owns and the ranks exchange the raw bytes each needs, so the cluster reads every
 needed byte once. Every rank raises the same error when one fails, marked ``agreed`` (no rank needs
-to agree on it again)."""
+to agree on it again). With ``cooperate="auto"`` the ranks first see whether that pays
+(:mod:`hp_dcp_hf.storage.read.payoff`), and read directly where it does not."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
+import torch
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 
 from hp_dcp_hf.storage.read.chunks import Chunk, Chunker, committer, destination, meta_destinations
+from hp_dcp_hf.storage.read.direct import DirectRead
 from hp_dcp_hf.storage.read.exchange import typed
 from hp_dcp_hf.storage.read.mode import ReadRecord
+from hp_dcp_hf.storage.read.needs import Needs
 from hp_dcp_hf.storage.read.options import ReadSettings
-from hp_dcp_hf.storage.read.span_reads import StoredTable, node_id, read_spans
+from hp_dcp_hf.storage.read.payoff import ReadCost, cooperation_pays, direct_cost, span_costs
+from hp_dcp_hf.storage.read.span_reads import GatheredPlan, StoredTable, gather_plan, node_id, read_spans
 from hp_dcp_hf.storage.read.spans import ClusterPlan, Traffic, traffic
 from hp_dcp_hf.util.collectives import agree_on_failure
 
@@ -26,18 +32,32 @@ class CooperativeRead:
 
     def plan(
         self, items_by_rank: Sequence[Sequence[ReadItem]], nodes: Sequence[str] | None = None
-    ) -> tuple[ClusterPlan, list[Traffic]]:
+    ) -> tuple[ClusterPlan, list[Traffic], bool]:
         """The span ownership of a load whose ranks plan ``items_by_rank`` (on ``nodes``, default one
-        node each), and each rank's :class:`Traffic`, without any I/O: what :meth:`read` builds."""
+        node each), each rank's :class:`Traffic`, and whether cooperating pays for it (what
+        ``cooperate="auto"`` decides), without any I/O: what :meth:`read` builds."""
+        settings = self.settings
         table = StoredTable.of(self.chunker.entries)
-        needs = [[table.need(c) for c in self.chunker.by_file(items, meta_destinations(items))]
-                 for items in items_by_rank]
+        needs = [Needs.of([table.need(c) for c in self.chunker.by_file(items, meta_destinations(items))],
+                          table.tensors) for items in items_by_rank]
         node_ids = [node_id(n) for n in nodes] if nodes is not None else None
-        plan = ClusterPlan.build(table.tensors, needs, table.files, nodes=node_ids, gap=self.settings.span_gap,
-                                 span_bytes=self.settings.options.span_bytes)
-        return plan, traffic(plan, needs, self.settings.batch_bytes)
+        plan = ClusterPlan.build(table.tensors, needs, table.files, nodes=node_ids, gap=settings.span_gap,
+                                 span_bytes=settings.options.span_bytes)
+        direct = tuple(direct_cost(n, table.tensors, settings.gap, settings.batch_bytes) for n in needs)
+        shares = traffic(plan, needs, settings.batch_bytes)
+        return plan, shares, self._pays(plan, direct)
+
+    def _pays(self, plan: ClusterPlan, direct: Sequence[ReadCost]) -> bool:
+        """Whether the load reads ``plan``'s spans: always with ``cooperate="always"``, else where it
+        pays over the ranks' ``direct`` reads."""
+        if self.settings.options.cooperate == "always":
+            return True
+        shares = span_costs(plan.owner, plan.end - plan.start, plan.world, self.settings.batch_bytes)
+        return cooperation_pays(direct, shares)
 
     def read(self, plan: LoadPlan, planner: LoadPlanner, record: ReadRecord) -> None:
+        """Every rank gathers the others' needs and plans the spans; where cooperating does not pay
+        (:mod:`hp_dcp_hf.storage.read.payoff`), every rank reads its own items directly instead."""
         settings, options = self.settings, self.settings.options
         assert settings.location is not None
         error: BaseException | None = None
@@ -51,26 +71,22 @@ class CooperativeRead:
         # error in load_hf_checkpoint, and this matches that collective.
         error = agree_on_failure(error)
         if error is None:
-            chunk_done = committer(plan, planner, chunks, dests)
-            log = record.requests.append if record.requests is not None else None
-
-            def finished(index: int) -> None:
-                with record.converting():
-                    chunk_done(chunks[index].item)
-
+            table = StoredTable.of(self.chunker.entries)
             try:
-                load = read_spans(
-                    location=settings.location, table=StoredTable.of(self.chunker.entries), chunks=chunks,
-                    finished=finished,
-                    gap=settings.span_gap, span_bytes=options.span_bytes, request_bytes=settings.batch_bytes,
-                    threads=settings.threads, budget=options.staging_bytes, node=options.node,
-                    stats=record.stats, log=(lambda f, s, e: log((f, s, e))) if log is not None else None,
-                    direct_io=options.direct_io, landed=record.landed,
-                )
-                record.spans = load
-                record.seconds.update(load.seconds)
+                gathered = gather_plan(table=table, chunks=chunks, node=options.node, gap=settings.span_gap,
+                                       span_bytes=options.span_bytes, direct_gap=settings.gap,
+                                       request_bytes=settings.batch_bytes)
+                record.cooperated = self._pays(gathered.plan, gathered.direct)
             except Exception as e:  # noqa: BLE001 - every rank learns of it below
                 error = e
+            if error is None and not record.cooperated:
+                # the same decision on every rank, from the same gathered needs; a failure of these
+                # reads is agreed on by load_hf_checkpoint, as a direct load's
+                record.seconds["spans"] = time.perf_counter() - gathered.began
+                DirectRead(settings, self.chunker).read_into(dests, plan, planner, record)
+                return
+            if error is None:
+                error = self._read_spans(gathered, table, chunks, dests, plan, planner, record)
             try:
                 error = agree_on_failure(error)
             except Exception as e:  # noqa: BLE001 - a rank left: this rank's own error, or the lost agreement
@@ -78,3 +94,28 @@ class CooperativeRead:
         if error is not None:
             error.agreed = True  # type: ignore[attr-defined]
             raise error
+
+    def _read_spans(self, gathered: GatheredPlan, table: StoredTable, chunks: list[Chunk], dests: list[torch.Tensor],
+                    plan: LoadPlan, planner: LoadPlanner, record: ReadRecord) -> BaseException | None:
+        """This rank's part of the cooperative read of ``gathered``'s plan; its error, if any."""
+        settings, options = self.settings, self.settings.options
+        assert settings.location is not None
+        chunk_done = committer(plan, planner, chunks, dests)
+        log = record.requests.append if record.requests is not None else None
+
+        def finished(index: int) -> None:
+            with record.converting():
+                chunk_done(chunks[index].item)
+
+        try:
+            load = read_spans(
+                gathered, location=settings.location, table=table, chunks=chunks, finished=finished,
+                request_bytes=settings.batch_bytes, threads=settings.threads, budget=options.staging_bytes,
+                stats=record.stats, log=(lambda f, s, e: log((f, s, e))) if log is not None else None,
+                direct_io=options.direct_io, landed=record.landed,
+            )
+            record.spans = load
+            record.seconds.update(load.seconds)
+        except Exception as e:  # noqa: BLE001 - every rank learns of it in the caller
+            return e
+        return None

@@ -60,11 +60,14 @@ class DirectRead:
         ]
 
     def read(self, plan: LoadPlan, planner: LoadPlanner, record: ReadRecord) -> None:
+        self.read_into([destination(item, planner) for item in plan.items], plan, planner, record)
+
+    def read_into(self, dests: list[torch.Tensor], plan: LoadPlan, planner: LoadPlanner, record: ReadRecord) -> None:
+        """:meth:`read` into ``dests``, the plan's items' destinations as ``planner`` resolved them."""
         settings, options = self.settings, self.settings.options
         location = settings.location
         assert location is not None
         chunk_budget = settings.batch_bytes
-        dests = [destination(item, planner) for item in plan.items]
         chunks = self.chunker.all(plan.items, dests)
         chunk_done = committer(plan, planner, chunks, dests)
         # One slot per batch being read, and one more: a batch's reads overlap the previous batch's

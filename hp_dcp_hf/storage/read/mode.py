@@ -24,13 +24,15 @@ class ReadRecord:
     """What one ``read_data`` counted, filled in by its mode as it goes (a failed read keeps what
     it counted): bytes and requests (``stats``), phase times (``seconds``), every request when
     ``requests`` is a list, the staging ring's use, a cooperative read's plan and exchange.
-    ``started``: when ``read_data`` began, the origin of ``seconds["first_byte"]`` (:meth:`landed`)."""
+    ``started``: when ``read_data`` began, the origin of ``seconds["first_byte"]`` (:meth:`landed`).
+    ``cooperated``: whether a cooperative read read spans or, not paying, each rank its own items."""
 
     stats: ReadStats
     seconds: dict[str, float]
     requests: list[tuple[str, int, int]] | None = None
     staging: StagingStats | None = None
     spans: SpanLoad | None = None
+    cooperated: bool | None = None
     started: float = field(default_factory=time.perf_counter)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 

@@ -107,6 +107,10 @@ class Needs:
         offsets, sizes = self.offsets[i].tolist(), self.sizes[i].tolist()
         return Box(tuple(offsets[len(offsets) - rank :]), tuple(sizes[len(sizes) - rank :])) if rank else Box((), ())
 
+    def nbytes(self, table: Tensors) -> int:
+        """The bytes of every need, summed."""
+        return int((self.sizes.prod(1) * table.itemsize[self.tensor]).sum())
+
     def extents(self, table: Tensors) -> tuple[np.ndarray, np.ndarray]:
         """Each need's first and last byte (exclusive) as sortable keys (:func:`byte_key`: file, byte)."""
         t, ndim = self.tensor, table.ndim

@@ -122,7 +122,10 @@ class HFStorageReader(StorageReader):
     each other the raw bytes each needs: ``"always"``, ``"never"``, or ``"auto"`` (the default):
     on storage other machines share (remote stores, network, cluster and FUSE file systems), where
     every byte read costs egress, requests and server load, not on a node's own disk, whose page
-    cache already serves its ranks one copy. ``map_local_files``: copy boxes out of a memory
+    cache already serves its ranks one copy; and there only where it pays: once the ranks have
+    gathered each other's needs, they read directly unless cooperating saves a quarter of the bytes or
+    three quarters of the busiest rank's requests (:mod:`~hp_dcp_hf.storage.read.payoff`;
+    ``cooperating`` says, after a load, which it did). ``map_local_files``: copy boxes out of a memory
     mapping of local files (the fast path, and ``coalesce_gap`` does not apply: only needed bytes
     are copied); ``False`` reads them with ``os.preadv`` instead, which is slower on row-sharded
     layouts but turns a disk error or a file truncated during the read into
@@ -165,7 +168,10 @@ class HFStorageReader(StorageReader):
         self.load_id = str(uuid.uuid4())
         self.metadata_error: Exception | None = None
         self.seconds: dict[str, float] = {}  # wall time of this load's phases (see LoadReport.seconds)
+        # read_metadata: whether reads go the cooperative way (cooperates()); read_data: whether they
+        # read spans (with cooperate="auto", where that pays) or each rank its own items
         self.cooperating = False
+        self._may_cooperate = False
         self.exchange = ExchangeStats()
         self.spans: SpanLoad | None = None  # a cooperative load's cluster plan and this rank's part
         self.requests_log: list[tuple[str, int, int]] = []
@@ -259,7 +265,7 @@ class HFStorageReader(StorageReader):
         # The files' versions travel with the headers: every rank's reads are checked against them.
         self.settings = ReadSettings(self.options, CheckpointLocation(self._fs, catalog.root, catalog.versions))
         self._shared = catalog.shared
-        self.cooperating = self.cooperates(dist.get_world_size() if should_broadcast() else 1)
+        self.cooperating = self._may_cooperate = self.cooperates(dist.get_world_size() if should_broadcast() else 1)
         self.entries = dict(catalog.entries)
         return dcp_metadata(self.entries, catalog.quantization_config, checkpoint_id=self.path, load_id=self.load_id)
 
@@ -293,6 +299,8 @@ class HFStorageReader(StorageReader):
                 self.staging = record.staging
             if record.spans is not None:
                 self.spans, self.exchange = record.spans, record.spans.exchange
+            if record.cooperated is not None:
+                self.cooperating = record.cooperated
             apart = self.seconds.get("spans", 0.0) + self.seconds.get("exchange", 0.0)
             self.seconds["read"] = time.perf_counter() - start - apart
         future: Future[None] = Future()
@@ -301,10 +309,11 @@ class HFStorageReader(StorageReader):
 
     def _mode(self) -> ReadMode:
         """This load's read mode: cooperative when :meth:`cooperates` said so in ``read_metadata``
-        (the same on every rank), else direct."""
+        (the same on every rank; with ``cooperate="auto"``, it reads directly where spans do not pay),
+        else direct."""
         if self.settings.location is None:
             raise PlanningError("read_metadata() must run before read_data()", file=self.path)
-        return (CooperativeRead if self.cooperating else DirectRead)(self.settings, self._chunker())
+        return (CooperativeRead if self._may_cooperate else DirectRead)(self.settings, self._chunker())
 
     def _chunker(self) -> Chunker:
         return Chunker(self.entries, self.path, self.settings.batch_bytes)
@@ -319,8 +328,9 @@ class HFStorageReader(StorageReader):
 
     def plan_spans(
         self, items_by_rank: Sequence[Sequence[ReadItem]], nodes: Sequence[str] | None = None
-    ) -> tuple[ClusterPlan, list[Traffic]]:
+    ) -> tuple[ClusterPlan, list[Traffic], bool]:
         """The span ownership of a cooperative load whose ranks plan ``items_by_rank`` (on
-        ``nodes``, default one node each), and each rank's :class:`Traffic`, without any I/O:
-        the plan a cooperative ``read_data`` builds, for the CLI's ``plan`` and the benchmarks."""
+        ``nodes``, default one node each), each rank's :class:`Traffic`, and whether it reads the
+        spans (``cooperate="always"``, or where they pay), without any I/O: the plan a cooperative
+        ``read_data`` builds, for the CLI's ``plan`` and the benchmarks."""
         return CooperativeRead(self.settings, self._chunker()).plan(items_by_rank, nodes)

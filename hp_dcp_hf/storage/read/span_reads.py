@@ -32,6 +32,7 @@ from hp_dcp_hf.storage.format.ranges import Piece, Request, request_views
 from hp_dcp_hf.storage.read.copy import copy_into
 from hp_dcp_hf.storage.read.exchange import ExchangeStats, ReadProgress, Region, Stream, exchange
 from hp_dcp_hf.storage.read.needs import Need, Needs, StoredTensor, Tensors, decode_needs, encode_needs
+from hp_dcp_hf.storage.read.payoff import ReadCost, direct_cost
 from hp_dcp_hf.storage.read.routing import Run, runs
 from hp_dcp_hf.storage.read.spans import ClusterPlan
 from hp_dcp_hf.storage.transport.location import CheckpointLocation
@@ -69,10 +70,11 @@ def node_id(node: str) -> int:
     return zlib.crc32(node.encode())
 
 
-def gather_needs(needs: np.ndarray, node: int) -> tuple[list[np.ndarray], list[int]]:
-    """Every rank's encoded needs and node, on every rank (two ``all_gather`` of int64 tensors)."""
+def gather_needs(needs: np.ndarray, header: Sequence[int]) -> tuple[list[np.ndarray], list[list[int]]]:
+    """Every rank's encoded needs and ``header`` (a few integers, as many on every rank), on every
+    rank (two ``all_gather`` of int64 tensors)."""
     device, world = collective_device(), dist.get_world_size()
-    mine = torch.from_numpy(np.concatenate(([node], needs)).astype(np.int64))
+    mine = torch.from_numpy(np.concatenate((np.asarray(header, dtype=np.int64), needs)).astype(np.int64))
     length = torch.tensor([mine.numel()], dtype=torch.int64, device=device)
     lengths = [torch.empty_like(length) for _ in range(world)]
     dist.all_gather(lengths, length)
@@ -82,7 +84,35 @@ def gather_needs(needs: np.ndarray, node: int) -> tuple[list[np.ndarray], list[i
     every = [torch.empty(max(sizes), dtype=torch.int64, device=device) for _ in range(world)]
     dist.all_gather(every, padded.to(device))
     arrays = [e.cpu().numpy()[:n] for e, n in zip(every, sizes)]
-    return [a[1:] for a in arrays], [int(a[0]) for a in arrays]
+    return [a[len(header):] for a in arrays], [a[: len(header)].tolist() for a in arrays]
+
+
+@dataclass(frozen=True)
+class GatheredPlan:
+    """A cooperative load's plan, the same on every rank, before any read: this rank's needs
+    (``mine``), the cluster's span plan, and what each rank would read on its own (``direct``)."""
+
+    mine: Needs
+    plan: ClusterPlan
+    direct: tuple[ReadCost, ...]
+    began: float  # when gathering began: the start of the ``spans`` phase
+
+
+def gather_plan(*, table: StoredTable, chunks: Sequence[Any], node: str, gap: int, span_bytes: int,
+                direct_gap: int, request_bytes: int) -> GatheredPlan:
+    """Every rank's needs gathered and the cluster's span plan built from them (every rank calls
+    it together): ``chunks`` are this rank's, sorted by file and first byte; ``gap``: holes bridged
+    inside a span; ``direct_gap``: those a direct read would bridge (for ``GatheredPlan.direct``)."""
+    began = time.perf_counter()
+    tensors = table.tensors
+    mine = Needs.of([table.need(chunk) for chunk in chunks], tensors)
+    own = direct_cost(mine, tensors, direct_gap, request_bytes)
+    encoded, headers = gather_needs(encode_needs(mine, tensors), (node_id(node), own.nbytes, own.requests))
+    rank = dist.get_rank()
+    needs = [mine if r == rank else decode_needs(flat, tensors) for r, flat in enumerate(encoded)]
+    plan = ClusterPlan.build(tensors, needs, table.files, nodes=[h[0] for h in headers], gap=gap,
+                             span_bytes=span_bytes)
+    return GatheredPlan(mine, plan, tuple(ReadCost(h[1], h[2]) for h in headers), began)
 
 
 @dataclass
@@ -208,33 +238,26 @@ class _Spans:
 
 
 def read_spans(
+    gathered: GatheredPlan,
     *,
     location: CheckpointLocation,
     table: StoredTable,
     chunks: Sequence[Any],
     finished: Callable[[int], None],
-    gap: int,
-    span_bytes: int,
     request_bytes: int,
     threads: int,
     budget: int,
-    node: str,
     stats: ReadStats,
     log: Callable[[str, int, int], None] | None,
     direct_io: bool,
     landed: Callable[[], None],
 ) -> SpanLoad:
-    """The cooperative read of ``chunks`` (this rank's, sorted by file and first byte): every rank
-    calls it together. ``finished(i)``: chunk ``i`` holds its values; ``landed()``: a request's
-    bytes are in. Raises this rank's error, or
+    """The cooperative read of ``chunks`` (this rank's, sorted by file and first byte) under
+    ``gathered``'s plan: every rank calls it together. ``finished(i)``: chunk ``i`` holds its
+    values; ``landed()``: a request's bytes are in. Raises this rank's error, or
     returns having left the outcome of the others to agree on (``SpanLoad.exchange`` counts)."""
-    began = time.perf_counter()
     rank, world = dist.get_rank(), dist.get_world_size()
-    tensors = table.tensors
-    mine = Needs.of([table.need(chunk) for chunk in chunks], tensors)
-    encoded, nodes = gather_needs(encode_needs(mine, tensors), node_id(node))
-    needs = [mine if r == rank else decode_needs(encoded[r], tensors) for r in range(world)]
-    plan = ClusterPlan.build(tensors, needs, table.files, nodes=nodes, gap=gap, span_bytes=span_bytes)
+    mine, plan = gathered.mine, gathered.plan
     owned = plan.owned(rank)
     load = SpanLoad(plan, plan.bytes_read(rank))
 
@@ -268,7 +291,7 @@ def read_spans(
     target = _Needs(chunks, finished, relays)
     landing = {} if direct_io else _landing(own_runs, pending, target)
     load.landed_bytes = sum(pending[span] for span in landing)
-    load.seconds["spans"] = time.perf_counter() - began
+    load.seconds["spans"] = time.perf_counter() - gathered.began
     spans = _Spans(plan, owned, pending, window=max(4 * budget, 2 * int((plan.end - plan.start).max(initial=0))))
     progress = ReadProgress()
 

@@ -101,7 +101,7 @@ def _plan_summary(result: dict[str, Any]) -> list[str]:
         lines.append(f"several ranks need some of the same checkpoint bytes and each reads its own copy: the ranks' "
                      f"shards need {fmt_bytes(by_shards)} in all, {fmt_bytes(by_shards - once)} more than the "
                      f"{fmt_bytes(once)} they need between them ({by_shards / max(once, 1):.2f}x); --cooperate always "
-                     "reads each byte once (the default, auto, does on remote stores and shared file systems)")
+                     "reads each byte once (the default, auto, does on remote stores and shared file systems where that pays)")
     return lines
 
 
