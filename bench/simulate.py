@@ -300,11 +300,12 @@ def sample_ranks(world: int, count: int) -> list[int]:
 
 def chunk_bytes() -> int:
     """The most bytes of one chunk a cooperative read's needs are cut to, and of one span request:
-    :class:`~hp_dcp_hf.HFStorageReader`'s batch on a local store, with its default settings."""
-    from hp_dcp_hf.storage.read.options import ALIGN, ReaderOptions
+    :class:`~hp_dcp_hf.HFStorageReader`'s batch on a local store, with its default settings on a
+    node whose cores allow the most read threads (not this machine's: the simulated cluster's
+    needs stay the same wherever they are planned)."""
+    from hp_dcp_hf.storage.read.options import ALIGN, LOCAL_THREADS, ReaderOptions
 
-    defaults = ReaderOptions()
-    share = defaults.staging_bytes // defaults.num_threads
+    share = ReaderOptions().staging_bytes // LOCAL_THREADS[1]
     return share - share % ALIGN
 
 

@@ -7,6 +7,7 @@ seconds, on any checkout, so that two checkouts can be timed alternately on one 
 
     python -m bench.spans_plan --save-table                 # once: the checkpoint's byte layout
     python -m bench.spans_plan --layouts fsdp,hsdp --ranks 0,513 --reps 3 --digest
+    python -m bench.spans_plan --payoff                     # what cooperate="auto" weighs, per layout
 
 One JSON line per layout and rank: the best of ``reps`` of each step, ``first_spans_s`` the first
 rep's (the first plan in a process pays for fresh memory), and with ``--digest`` a hash of the
@@ -100,6 +101,25 @@ def time_rank(layout: str, world: int, rank: int, reps: int, digest: bool, tenso
     return row
 
 
+def payoff(layout: str, world: int, tensors: Any, files: tuple[str, ...], encoded: list[np.ndarray]) -> dict[str, Any]:
+    """What ``cooperate="auto"`` weighs for this cluster on a remote store (its coalescing gap,
+    span gap and request size): every rank's direct reads against the spans' owners', and its choice."""
+    from hp_dcp_hf.storage.read.needs import decode_needs
+    from hp_dcp_hf.storage.read.options import REMOTE_BATCH_BYTES
+    from hp_dcp_hf.storage.read.payoff import cooperation_pays, direct_cost, span_costs
+    from hp_dcp_hf.storage.read.spans import SPAN_GAP, ClusterPlan
+    from hp_dcp_hf.storage.transport.backend import REMOTE_COALESCE_GAP
+
+    needs = [decode_needs(e, tensors) for e in encoded]
+    plan = ClusterPlan.build(tensors, needs, files, nodes=[r // NODE for r in range(world)], gap=SPAN_GAP)
+    direct = [direct_cost(n, tensors, REMOTE_COALESCE_GAP, REMOTE_BATCH_BYTES) for n in needs]
+    shared = span_costs(plan.owner, plan.end - plan.start, plan.world, REMOTE_BATCH_BYTES)
+    return {"layout": layout, "world": world,
+            "direct_bytes_over_once": sum(d.nbytes for d in direct) / sum(c.nbytes for c in shared),
+            "direct_requests_min": min(d.requests for d in direct), "direct_requests_max": max(d.requests for d in direct),
+            "busiest_owner_requests": max(c.requests for c in shared), "cooperates": cooperation_pays(direct, shared)}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--arch", default="deepseek-v3")
@@ -109,6 +129,7 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--digest", action="store_true", help="hash the plan, the route and the sends")
     p.add_argument("--save-table", action="store_true", help="build and cache the checkpoint's byte layout")
+    p.add_argument("--payoff", action="store_true", help="what cooperate='auto' weighs on a remote store, per layout")
     args = p.parse_args()
     if args.save_table:
         print(save_table(args.arch))
@@ -116,6 +137,9 @@ def main() -> None:
     tensors, files = load_table(args.arch)
     for layout in args.layouts.split(","):
         encoded = load_needs(layout, args.world)
+        if args.payoff:
+            print(json.dumps(payoff(layout, args.world, tensors, files, encoded)), flush=True)
+            continue
         for rank in map(int, args.ranks.split(",")):
             started = time.perf_counter()
             row = time_rank(layout, args.world, rank, args.reps, args.digest, tensors, files, encoded)

@@ -3,8 +3,8 @@
 Cooperating reads every needed byte once per cluster, at a cost: the gathered plan, span buffers
 filled and copied out of, and the exchange. It pays where the ranks' own reads would fetch
 much more (replicas: HSDP reads each byte twice directly) or would take far more requests
-(FSDP on 1024 ranks: every rank a slice of each of DeepSeek-V3's 45,395 tensors, tens of
-thousands of ranged GETs a rank directly, a hundred-odd spans cooperating). Where it saves
+(DeepSeek-V3 under FSDP x EP x TP on 1024 ranks, from S3: 720-964 requests a rank reading
+directly, where the busiest owner's spans take 185; 1.01x the bytes). Where it saves
 little of either, it is slower: on S3 at ``dp=2,tp=2`` (1 GB MoE, 4 ranks), where it saves 6% of
 the bytes (990 -> 934 MiB) and a third of the GETs (276 -> 183), the cooperative load took
 1.18x the direct one (bench/results/2026-12-07-remote-round3.md; 1.17x median in the first round
@@ -23,12 +23,13 @@ from hp_dcp_hf.storage.read.union import merge
 
 BYTES_SAVED = 1.25
 """Cooperating pays when the ranks' own reads would fetch at least this many times the bytes the
-cluster reads cooperating (HSDP's two replicas: 2x; ``dp=2,tp=2`` on the MoE benchmark: 1.06x)."""
+cluster reads cooperating (HSDP's two replicas: 2x; DeepSeek-V3 on 1024 ``fsdp`` ranks: 1.01x;
+HSDP with 8 replicas: 8.1x)."""
 
 REQUESTS_SAVED = 4
 """... or when the busiest rank's own reads would take at least this many times the requests of
-the busiest owner's spans (FSDP on 1024 ranks of DeepSeek-V3: a request per tensor, 45,395, against
-at most 185 cooperating)."""
+the busiest owner's spans (DeepSeek-V3 on 1024 ``fsdp`` ranks: up to 964 against 185, 5.2x;
+``dp=2,tp=2`` on the S3 benchmark's 1 GB MoE: 69 against 53, 1.3x)."""
 
 
 @dataclass(frozen=True)
