@@ -7,8 +7,9 @@ telemetry off, uploads the checkpoint to ``s3://bench/moe-<size>``, and, for eac
 
 * ``dcp-s3``: this project as a user gets it, ``load_hf_checkpoint(model, "s3://...")`` with
   ``HFStorageReader(url, storage_options=..., num_threads=threads)`` and its remote defaults
-  (``cooperate="auto"``, which cooperates on S3 with more than one rank: span ownership, each
-  needed byte read by one rank in spans of at least 8 MiB, the raw bytes exchanged);
+  (``cooperate="auto"``, which cooperates on S3 with more than one rank where the spans pay:
+  span ownership, each needed byte read by one rank in spans of at least 8 MiB, the raw bytes
+  exchanged; else every rank reads its own ranges, as ``dcp-s3-direct``);
   checked against the legacy loader reading the local copy into the same layout;
 * ``dcp-s3-direct``: the same with ``cooperate="never"``: every rank reads all it holds
   (``coalesce_gap`` 1 MiB, batches of at least 8 MiB);
