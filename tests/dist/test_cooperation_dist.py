@@ -103,7 +103,8 @@ def _remote(rank: int, paths: dict[str, str]) -> dict:
 
 
 def _failures(rank: int, path: str) -> dict[str, str]:
-    """Rank 3's planning fails, then rank 2's reads of its spans, then rank 1's exchange: what every
+    """Rank 3's planning fails, then rank 2's reads of its spans, then rank 1's exchange, then rank
+    2's reads where ``cooperate="auto"`` chose direct reads after gathering the needs: what every
     rank raises, and whether its model is as it was (never half loaded)."""
     from hp_dcp_hf import HFMappingPlanner, HFStorageReader
     from hp_dcp_hf.errors import MappingError, StorageReadError
@@ -124,23 +125,33 @@ def _failures(rank: int, path: str) -> dict[str, str]:
     def take_fails(self, out, nbytes):
         raise RuntimeError("injected exchange failure")
 
+    cooperating = {"cooperate": "always", "span_bytes": 4096}
     outcomes = {}
-    for name, rank_failing, cls, method, broken in (
-        ("plan", 3, HFMappingPlanner, "_validate", plan_fails),
-        ("read", 2, fsspec_backend._LocalFile, "read_into", read_fails),
-        ("exchange", 1, exchange.Stream, "take_into", take_fails),
+    for name, rank_failing, cls, method, broken, options, mesh in (
+        ("plan", 3, HFMappingPlanner, "_validate", plan_fails, cooperating, "dp_replicate=2,tp=2"),
+        ("read", 2, fsspec_backend._LocalFile, "read_into", read_fails, cooperating, "dp_replicate=2,tp=2"),
+        ("exchange", 1, exchange.Stream, "take_into", take_fails, cooperating, "dp_replicate=2,tp=2"),
+        # the local files taken for shared storage, read with preadv (read_into, not mappings) and
+        # coalesced as on a remote store: spans would save too little here
+        ("auto-direct-read", 2, fsspec_backend._LocalFile, "read_into", read_fails,
+         {"cooperate": "auto", "map_local_files": False, "coalesce_gap": 2**20}, "dp=2,tp=2"),
     ):
         real = cls.__dict__[method]  # as defined (a staticmethod stays one when put back)
+        shared = HFStorageReader.__dict__["cooperates"]
         if rank == rank_failing:
             setattr(cls, method, broken)
+        if options["cooperate"] == "auto":
+            HFStorageReader.cooperates = lambda self, world_size: world_size > 1
+        reader = HFStorageReader(path, **options)
         try:
-            reader = HFStorageReader(path, cooperate="always", span_bytes=4096)
-            from_pretrained(path, dtype=torch.float32, distributed_config="dp_replicate=2,tp=2", reader=reader)
+            from_pretrained(path, dtype=torch.float32, distributed_config=mesh, reader=reader)
             outcomes[name] = "loaded"
         except Exception as e:  # noqa: BLE001 - the test checks the type
             outcomes[name] = f"{type(e).__name__}: {e}"
         finally:
             setattr(cls, method, real)
+            HFStorageReader.cooperates = shared
+        outcomes[f"{name} cooperating"] = reader.cooperating
     return outcomes
 
 
@@ -281,6 +292,10 @@ def test_a_rank_failing_to_plan_or_mid_read_or_mid_exchange_fails_every_rank_wit
     assert all(o["read"].startswith("StorageReadError") and "injected read failure" in o["read"] for o in outcomes)
     assert all(o["exchange"].startswith("StorageReadError") and "injected exchange failure" in o["exchange"]
                for o in outcomes), outcomes
+    # auto gathered the needs, chose direct reads, and rank 2's failure still reached every rank
+    auto = [(o["auto-direct-read"], o["auto-direct-read cooperating"]) for o in outcomes]
+    assert all(not cooperating for _, cooperating in auto), auto
+    assert all(error.startswith("StorageReadError") and "injected read failure" in error for error, _ in auto), auto
 
 
 def _dying_rank(rank: int, world: int, port: int, path: str, out: str) -> None:
