@@ -16,7 +16,6 @@ from hp_dcp_hf.storage.read.chunks import Chunk, Chunker, committer, destination
 from hp_dcp_hf.storage.read.direct import DirectRead
 from hp_dcp_hf.storage.read.exchange import typed
 from hp_dcp_hf.storage.read.mode import ReadRecord
-from hp_dcp_hf.storage.read.needs import Needs
 from hp_dcp_hf.storage.read.options import ReadSettings
 from hp_dcp_hf.storage.read.payoff import ReadCost, cooperation_pays, direct_cost, span_costs
 from hp_dcp_hf.storage.read.span_reads import GatheredPlan, StoredTable, gather_plan, node_id, read_spans
@@ -38,8 +37,7 @@ class CooperativeRead:
         ``cooperate="auto"`` decides), without any I/O: what :meth:`read` builds."""
         settings = self.settings
         table = StoredTable.of(self.chunker.entries)
-        needs = [Needs.of([table.need(c) for c in self.chunker.by_file(items, meta_destinations(items))],
-                          table.tensors) for items in items_by_rank]
+        needs = [table.needs(self.chunker.by_file(items, meta_destinations(items))) for items in items_by_rank]
         node_ids = [node_id(n) for n in nodes] if nodes is not None else None
         plan = ClusterPlan.build(table.tensors, needs, table.files, nodes=node_ids, gap=settings.span_gap,
                                  span_bytes=settings.options.span_bytes)
@@ -83,7 +81,7 @@ class CooperativeRead:
                 # the same decision on every rank, from the same gathered needs; a failure of these
                 # reads is agreed on by load_hf_checkpoint, as a direct load's
                 record.seconds["spans"] = time.perf_counter() - gathered.began
-                DirectRead(settings, self.chunker).read_into(dests, plan, planner, record)
+                DirectRead(settings, self.chunker).read_into(dests, chunks, plan, planner, record)
                 return
             if error is None:
                 error = self._read_spans(gathered, table, chunks, dests, plan, planner, record)

@@ -60,15 +60,17 @@ class DirectRead:
         ]
 
     def read(self, plan: LoadPlan, planner: LoadPlanner, record: ReadRecord) -> None:
-        self.read_into([destination(item, planner) for item in plan.items], plan, planner, record)
+        dests = [destination(item, planner) for item in plan.items]
+        self.read_into(dests, self.chunker.all(plan.items, dests), plan, planner, record)
 
-    def read_into(self, dests: list[torch.Tensor], plan: LoadPlan, planner: LoadPlanner, record: ReadRecord) -> None:
-        """:meth:`read` into ``dests``, the plan's items' destinations as ``planner`` resolved them."""
+    def read_into(self, dests: list[torch.Tensor], chunks: list[Chunk], plan: LoadPlan, planner: LoadPlanner,
+                  record: ReadRecord) -> None:
+        """:meth:`read` into ``dests``, the plan's items' destinations as ``planner`` resolved them,
+        by their ``chunks`` (:class:`Chunker`'s, in any order: batches go by file and byte)."""
         settings, options = self.settings, self.settings.options
         location = settings.location
         assert location is not None
         chunk_budget = settings.batch_bytes
-        chunks = self.chunker.all(plan.items, dests)
         chunk_done = committer(plan, planner, chunks, dests)
         # One slot per batch being read, and one more: a batch's reads overlap the previous batch's
         # copies to the device. Host destinations release their slot before the next batch, so they

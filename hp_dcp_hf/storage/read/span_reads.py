@@ -60,9 +60,11 @@ class StoredTable:
         position = {name: i for i, name in enumerate(self.files)}
         return Tensors([StoredTensor(position[e.file], e.data_start, e.shape, e.itemsize) for e in self.entries])
 
-    def need(self, chunk: Any) -> Need:
-        entry = chunk.entry
-        return Need(self.index[entry.key, entry.file, entry.data_start], chunk.box)
+    def needs(self, chunks: Sequence[Any]) -> Needs:
+        """``chunks``' boxes as needs of the stored tensors, in their order."""
+        index = self.index
+        return Needs.of([Need(index[c.entry.key, c.entry.file, c.entry.data_start], c.box) for c in chunks],
+                        self.tensors)
 
 
 def node_id(node: str) -> int:
@@ -105,7 +107,7 @@ def gather_plan(*, table: StoredTable, chunks: Sequence[Any], node: str, gap: in
     inside a span; ``direct_gap``: those a direct read would bridge (for ``GatheredPlan.direct``)."""
     began = time.perf_counter()
     tensors = table.tensors
-    mine = Needs.of([table.need(chunk) for chunk in chunks], tensors)
+    mine = table.needs(chunks)
     own = direct_cost(mine, tensors, direct_gap, request_bytes)
     encoded, headers = gather_needs(encode_needs(mine, tensors), (node_id(node), own.nbytes, own.requests))
     rank = dist.get_rank()

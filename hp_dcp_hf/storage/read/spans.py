@@ -49,6 +49,7 @@ from hp_dcp_hf.storage.read.needs import (
     byte_key,
     table_of,
 )
+from hp_dcp_hf.storage.read.payoff import span_costs
 from hp_dcp_hf.storage.read.routing import Routed
 from hp_dcp_hf.storage.read.union import concatenated, consecutive, merge, union_of
 
@@ -664,7 +665,5 @@ def traffic(plan: ClusterPlan, needs_by_rank: Sequence[Sequence[Need] | Needs], 
         sizes = (routed.end - routed.start)[others]
         np.add.at(sent, senders[others], sizes)
         received[rank] = int(sizes.sum())
-    sizes = plan.end - plan.start
-    requests = -(-sizes // request_bytes)
-    return [Traffic(int(sizes[plan.owner == r].sum()), int(requests[plan.owner == r].sum()), int(received[r]),
-                    int(sent[r])) for r in range(plan.world)]
+    reads = span_costs(plan.owner, plan.end - plan.start, plan.world, request_bytes)
+    return [Traffic(own.nbytes, own.requests, int(received[r]), int(sent[r])) for r, own in enumerate(reads)]
