@@ -8,6 +8,7 @@ seconds, on any checkout, so that two checkouts can be timed alternately on one 
     python -m bench.spans_plan --save-table                 # once: the checkpoint's byte layout
     python -m bench.spans_plan --layouts fsdp,hsdp --ranks 0,513 --reps 3 --digest
     python -m bench.spans_plan --payoff                     # what cooperate="auto" weighs, per layout
+    python -m bench.spans_plan --traffic                    # bytes each rank reads, receives, sends
 
 One JSON line per layout and rank: the best of ``reps`` of each step, ``first_spans_s`` the first
 rep's (the first plan in a process pays for fresh memory), and with ``--digest`` a hash of the
@@ -120,6 +121,24 @@ def payoff(layout: str, world: int, tensors: Any, files: tuple[str, ...], encode
             "busiest_owner_requests": max(c.requests for c in shared), "cooperates": cooperation_pays(direct, shared)}
 
 
+def flows(layout: str, world: int, tensors: Any, files: tuple[str, ...], encoded: list[np.ndarray]) -> dict[str, Any]:
+    """Every rank's share of the cooperative load (:func:`~hp_dcp_hf.storage.read.spans.traffic`,
+    16 MiB requests): the busiest and the mean rank's bytes read, received and sent."""
+    from hp_dcp_hf.storage.read.needs import decode_needs
+    from hp_dcp_hf.storage.read.spans import ClusterPlan, traffic
+
+    needs = [decode_needs(e, tensors) for e in encoded]
+    plan = ClusterPlan.build(tensors, needs, files, nodes=[r // NODE for r in range(world)])
+    shares = traffic(plan, needs, 16 * 2**20)
+    row: dict[str, Any] = {"layout": layout, "world": world, "spans": len(plan)}
+    for name in ("storage_bytes", "received", "sent"):
+        values = np.array([getattr(t, name) for t in shares], dtype=np.float64)
+        row[f"{name}_max_gib"] = values.max() / 2**30
+        row[f"{name}_mean_gib"] = values.mean() / 2**30
+        row[f"{name}_max_over_mean"] = values.max() / values.mean() if values.mean() else None
+    return row
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--arch", default="deepseek-v3")
@@ -130,6 +149,7 @@ def main() -> None:
     p.add_argument("--digest", action="store_true", help="hash the plan, the route and the sends")
     p.add_argument("--save-table", action="store_true", help="build and cache the checkpoint's byte layout")
     p.add_argument("--payoff", action="store_true", help="what cooperate='auto' weighs on a remote store, per layout")
+    p.add_argument("--traffic", action="store_true", help="the busiest and the mean rank's bytes read, received, sent")
     args = p.parse_args()
     if args.save_table:
         print(save_table(args.arch))
@@ -137,8 +157,9 @@ def main() -> None:
     tensors, files = load_table(args.arch)
     for layout in args.layouts.split(","):
         encoded = load_needs(layout, args.world)
-        if args.payoff:
-            print(json.dumps(payoff(layout, args.world, tensors, files, encoded)), flush=True)
+        if args.payoff or args.traffic:
+            measure = payoff if args.payoff else flows
+            print(json.dumps(measure(layout, args.world, tensors, files, encoded)), flush=True)
             continue
         for rank in map(int, args.ranks.split(",")):
             started = time.perf_counter()

@@ -115,7 +115,8 @@ class ClusterPlan:
         world = len(needs_by_rank)
         twins, distinct = twin_classes(needs_by_rank)
         population = np.bincount(twins, minlength=len(distinct))
-        first, last, order, union = _extents_and_union(table, [needs_by_rank[r] for r in distinct], len(files))
+        first, last, density, order, union = _extents_and_union(table, [needs_by_rank[r] for r in distinct],
+                                                                len(files))
         bounds = np.cumsum([0, *(len(needs_by_rank[r]) for r in distinct)])
         group = np.repeat(np.arange(len(distinct)), np.diff(bounds))  # each need's class of twins
         total = sum(int((e - s).sum()) for s, e in union)
@@ -131,15 +132,25 @@ class ClusterPlan:
         first = first[order]
         last = last[order]
         group = group[order]
+        density = density[order]
         lo, hi = _touching(lows, first, last, in_order=True)
+        overlaps = _overlaps(lows, highs, first, last, density, (lo, hi))
+        pieces = _send_pieces(highs - lows, needed, *overlaps[:2], world, span_bytes)
+        if bool((pieces > 1).any()):
+            lows, highs = _divide(lows, highs, pieces)
+            needed = _covered(needed_lo, needed_hi, highs) - _covered(needed_lo, needed_hi, lows)
+            lo, hi = _touching(lows, first, last, in_order=True)
+            overlaps = _overlaps(lows, highs, first, last, density, (lo, hi))
+        indptr, classes, nbytes = _needers(len(lows), overlaps, group)
+        del overlaps
         span_index = _index_type(len(lows))
         touched = np.empty(len(lo), dtype=span_index), np.empty(len(hi), dtype=span_index)
         touched[0][order], touched[1][order] = lo, hi
-        del order
-        indptr, classes, nbytes = _needers(lows, highs, first, last, (lo, hi), group)
+        del order, lo, hi, first, last, density
+        sending = _per_span(indptr, nbytes)  # what an owner sends of each span: once per class of twins
         indptr, needers, nbytes = _expand(indptr, classes, nbytes, twins)
         node_of = np.asarray(nodes if nodes is not None else range(world), dtype=np.int64)
-        owner = _assign(highs - lows, indptr, needers, nbytes, node_of, target)
+        owner = _assign(highs - lows, indptr, needers, nbytes, sending, node_of, target)
         return cls(tuple(files), lows >> FILE_SHIFT, lows & BYTE_MASK, highs & BYTE_MASK, owner, needed, world,
                    table, (indptr, needers.astype(_index_type(world))), twins, node_of,
                    tuple(needs_by_rank[r] for r in distinct), bounds, touched)
@@ -296,15 +307,17 @@ class ClusterPlan:
 
 
 def _extents_and_union(table: Tensors, classes: list[Needs], files: int
-                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[tuple[np.ndarray, np.ndarray]]]:
-    """Every class's needs, one class after the other: their extents, a stable sort of their first
-    bytes, and their union per file. The needs are concatenated only while these are found (41.7 MB
+                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[tuple[np.ndarray, np.ndarray]]]:
+    """Every class's needs, one class after the other: their extents, the share of each extent's
+    bytes the need holds (a box cut across a tensor's rows holds a slice of every row its extent
+    spans), a stable sort of their first bytes, and their union per file. The needs are concatenated only while these are found (41.7 MB
     at 1024 FSDP ranks of DeepSeek-V3): the plan keeps the classes' own arrays, and the rest of the
     build does not pile its temporaries on top of the copy."""
     every = concatenated(classes, table)
     first, last = every.extents(table)
+    density = every.byte_counts(table) / np.maximum(last - first, 1)
     order = np.argsort(first, kind="stable")  # cheap: each rank's needs are a run in byte order
-    return first, last, order, union_of(table, every, first, last, files, order)
+    return first, last, density, order, union_of(table, every, first, last, files, order)
 
 
 def _index_type(count: int) -> type[np.signedinteger]:
@@ -379,21 +392,18 @@ def _touching(keys: np.ndarray, first: np.ndarray, last: np.ndarray, in_order: b
     return lo, hi
 
 
-def _needers(lows: np.ndarray, highs: np.ndarray, first: np.ndarray, last: np.ndarray,
-             touched: tuple[np.ndarray, np.ndarray], rank: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per span (``[lows, highs)``, keys), the ranks needing bytes in it and about how many (the
-    extents ``first``, ``last`` of every rank's needs, need ``i`` of rank ``rank[i]``, inside the
-    span: a preference for owners, not an exact count), as ``(indptr, ranks, nbytes)``: span
-    ``s``'s are ``ranks[indptr[s]:indptr[s+1]]``. ``touched``: the spans each need may touch
-    (:func:`_touching`). Any order of needs gives the same; by first byte, the pairs below come
-    nearly sorted (cheap to sort)."""
-    if not len(lows) or not len(first):
-        return np.zeros(len(lows) + 1, dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+def _overlaps(lows: np.ndarray, highs: np.ndarray, first: np.ndarray, last: np.ndarray, density: np.ndarray,
+              touched: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every (need, span) pair a need's extent may reach (spans ``[lows, highs)``, keys; the
+    extents ``first``, ``last``; ``touched``: the spans each may touch, :func:`_touching`), and
+    about how many of its bytes lie in the span: the extent's inside it times the share
+    ``density`` of its extent the need holds (an estimate for choosing owners, not an exact
+    count). As ``(span, nbytes, counts)``: per pair its span and bytes, per need its pairs."""
     lo, hi = touched
     counts = hi - lo + 1
     span = consecutive(lo, counts)
-    # each (need, span) pair's bytes, computed in place: a million pairs at 1024 FSDP ranks, where
-    # every fresh array costs more than its arithmetic (this function's peak: 59 -> 52 MB)
+    # computed in place: a million pairs at 1024 FSDP ranks, where every fresh array costs more
+    # than its arithmetic
     inside = np.repeat(last, counts)
     np.minimum(inside, highs[span], out=inside)
     begin = np.repeat(first, counts)
@@ -401,6 +411,19 @@ def _needers(lows: np.ndarray, highs: np.ndarray, first: np.ndarray, last: np.nd
     inside -= begin
     del begin
     np.maximum(inside, 0, out=inside)
+    return span, (inside * np.repeat(density, counts)).astype(np.int64), counts
+
+
+def _needers(spans: int, overlaps: tuple[np.ndarray, np.ndarray, np.ndarray], rank: np.ndarray
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per span of ``spans``, the ranks needing bytes in it and about how many (the
+    :func:`_overlaps` of every rank's needs, need ``i`` of rank ``rank[i]``; their span array is
+    consumed), as ``(indptr, ranks, nbytes)``: span ``s``'s are ``ranks[indptr[s]:indptr[s+1]]``.
+    Any order of needs gives the same; by first byte, the pairs below come nearly sorted (cheap
+    to sort)."""
+    span, inside, counts = overlaps
+    if not spans or not len(rank):
+        return np.zeros(spans + 1, dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
     # one pair per (span, rank), span-major
     ranks = int(rank.max()) + 1
     pair = span
@@ -411,7 +434,7 @@ def _needers(lows: np.ndarray, highs: np.ndarray, first: np.ndarray, last: np.nd
     inside = inside[sort]
     starts = np.flatnonzero(np.concatenate(([True], pair[1:] != pair[:-1])))
     pair, nbytes = pair[starts], np.add.reduceat(inside, starts)
-    return np.searchsorted(pair, np.arange(len(lows) + 1) * ranks), pair % ranks, nbytes
+    return np.searchsorted(pair, np.arange(spans + 1) * ranks), pair % ranks, nbytes
 
 
 def _keyed(ranges_by_file: Sequence[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
@@ -512,13 +535,34 @@ def _cut(lo: np.ndarray, hi: np.ndarray, bounds: np.ndarray, target: int) -> tup
     keep = (bounds - before >= OWN_RUN_BYTES) & (hi[run] - bounds >= OWN_RUN_BYTES)
     cuts = _sorted_distinct(bounds[keep])
     piece_lo, piece_hi = np.sort(np.concatenate([lo, cuts])), np.sort(np.concatenate([hi, cuts]))
-    count = np.maximum(1, np.rint((piece_hi - piece_lo) / target)).astype(np.int64)
+    return _divide(piece_lo, piece_hi, np.maximum(1, np.rint((piece_hi - piece_lo) / target)).astype(np.int64))
+
+
+def _divide(lo: np.ndarray, hi: np.ndarray, count: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each of the spans ``[lo, hi)`` (sorted keys) cut into ``count`` near-equal ones, page aligned."""
     extra = count - 1
-    piece = np.repeat(np.arange(len(piece_lo)), extra)
+    piece = np.repeat(np.arange(len(lo)), extra)
     step = consecutive(np.ones(len(extra), dtype=np.int64), extra)
-    inner = _page_floor(piece_lo[piece] + (piece_hi - piece_lo)[piece] * step // count[piece])
-    inner = _sorted_distinct(inner[(inner > piece_lo[piece]) & (inner < piece_hi[piece])])
-    return np.sort(np.concatenate([piece_lo, inner])), np.sort(np.concatenate([piece_hi, inner]))
+    inner = _page_floor(lo[piece] + (hi - lo)[piece] * step // count[piece])
+    inner = _sorted_distinct(inner[(inner > lo[piece]) & (inner < hi[piece])])
+    return np.sort(np.concatenate([lo, inner])), np.sort(np.concatenate([hi, inner]))
+
+
+def _send_pieces(sizes: np.ndarray, needed: np.ndarray, span: np.ndarray, nbytes: np.ndarray, world: int,
+                 smallest: int) -> np.ndarray:
+    """Into how many spans to cut each span (of ``needed`` bytes; its needs' :func:`_overlaps`:
+    ``span``, ``nbytes``) so that none holds more than half the mean rank's bytes needed more than
+    once (what its needs need, less its needed bytes: the least its owner sends), where its pieces
+    stay at least ``smallest`` bytes. Where ranks that are not twins need the same bytes (FSDP's
+    shards of a tensor that tensor parallelism leaves whole are needed by every rank of a
+    tensor-parallel group), a span's sends are several times its size, and whole spans would put
+    the sends on a few owners whatever the assignment; at half the mean, the greedy assignment
+    ends within about that of it."""
+    again = np.maximum(np.bincount(span, weights=nbytes, minlength=len(sizes)) - needed, 0)
+    mean = float(again.sum()) / max(world, 1)
+    if mean <= 0:
+        return np.ones(len(sizes), dtype=np.int64)
+    return np.clip(np.ceil(2 * again / mean), 1, np.maximum(sizes // max(smallest, 1), 1)).astype(np.int64)
 
 
 def _sorted_distinct(keys: np.ndarray) -> np.ndarray:
@@ -538,13 +582,32 @@ def _covered(starts: np.ndarray, ends: np.ndarray, positions: np.ndarray) -> np.
     return below[np.maximum(at - 1, 0)] * (at > 0) + np.maximum(inside, 0)
 
 
-def _assign(sizes: np.ndarray, indptr: np.ndarray, needers: np.ndarray, needed: np.ndarray, nodes: np.ndarray,
-            target: int) -> np.ndarray:
-    """Owners balanced by bytes: the rank needing most of the span while its load stays within a
-    fair share (bytes / ranks, plus a span), so that a rank reads much of what it needs itself;
-    else the least loaded rank on a node that needs it; else the least loaded rank. Spans one
-    rank alone needs are given first, to that rank within its share (those are never sent); the
-    others follow in span order."""
+def _per_span(indptr: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """Per span, the sum of its pairs' ``values`` (CSR by ``indptr``)."""
+    total = np.concatenate(([0], np.cumsum(values)))
+    return total[indptr[1:]] - total[indptr[:-1]]
+
+
+def _most(indptr: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """Per span, the largest of its pairs' ``values`` (CSR by ``indptr``; 0 for a span without any)."""
+    most = np.zeros(len(indptr) - 1, dtype=values.dtype)
+    some = np.diff(indptr) > 0
+    if len(values):
+        most[some] = np.maximum.reduceat(values, indptr[:-1][some])
+    return most
+
+
+def _assign(sizes: np.ndarray, indptr: np.ndarray, needers: np.ndarray, needed: np.ndarray, sending: np.ndarray,
+            nodes: np.ndarray, target: int) -> np.ndarray:
+    """Owners balanced by bytes read and sent, each within a fair share of the bytes read (bytes /
+    ranks, plus a span). Spans one rank alone needs go first, to that rank (those are never sent).
+    Then the spans whose owner sends most of them whoever reads them (no needer needs half of the
+    bytes ``sending`` counts: what its needers need, once per class of twins), most sent first, each
+    to the needer that has sent least so far: spans every rank needs a sliver of (FSDP's shards of
+    each tensor) spread their sends over the ranks instead of piling them on a few. The others in
+    span order, each to the rank needing most of it, so that a rank reads much of what it needs
+    itself. A span none of its needers can take goes to the least loaded rank on a node that
+    needs it, else to the least loaded rank."""
     world = len(nodes)
     fair = int(sizes.sum()) / max(world, 1) + target
     owners = np.full(len(sizes), -1, dtype=np.int64)
@@ -559,7 +622,12 @@ def _assign(sizes: np.ndarray, indptr: np.ndarray, needers: np.ndarray, needed: 
     within = total - before <= fair
     owners[sole[within]] = needer[within]
     load = np.bincount(needer[within], weights=sizes[sole[within]], minlength=world).astype(np.int64)
+    # The others: first those whose owner sends most of them, most sent first (the largest first
+    # keep the greedy within about one span's sends of the mean), then the rest in span order.
     rest = np.flatnonzero(owners < 0)
+    spread = 2 * _most(indptr, needed)[rest] < sending[rest]
+    rest = np.concatenate([rest[spread][np.argsort(-sending[rest[spread]], kind="stable")], rest[~spread]])
+    spreads = np.arange(len(rest)) < int(spread.sum())
     counts = indptr[rest + 1] - indptr[rest]
     listed = consecutive(indptr[rest], counts)
     # each span's needers by most needed bytes first (stably: then in rank order), read one by one:
@@ -571,17 +639,27 @@ def _assign(sizes: np.ndarray, indptr: np.ndarray, needers: np.ndarray, needed: 
     his = np.cumsum(counts)
     first_ends = ends[np.searchsorted(ends, his - counts, "right")]  # where each span's first run ends
     level = (ranks, memoryview(ranks), ends.tolist())
+    most = memoryview(wanted)
     held = load.tolist()
+    sent = np.zeros(world, dtype=np.int64), [0] * world
     node = np.unique(nodes, return_inverse=True)[1].reshape(-1)
     chosen = []
     lo = 0
-    for size, hi, end in zip(sizes[rest].tolist(), his.tolist(), first_ends.tolist()):
-        owner = _preferred(load, held, level, lo, hi, end, size, fair)
-        if owner < 0:
-            owner = _fallback(load, ranks[lo:hi], size, fair, node)
+    for size, hi, end, sends, spreading in zip(sizes[rest].tolist(), his.tolist(), first_ends.tolist(),
+                                               sending[rest].tolist(), spreads.tolist()):
+        if spreading:
+            at = _least_sending(load, held, sent, level, lo, hi, size, fair)
+        else:
+            at = _preferred(load, held, level, lo, hi, end, size, fair)
+        if at < 0:  # none of its needers can take it: its owner sends about all of it
+            owner, own = _fallback(load, ranks[lo:hi], size, fair, node), 0
+        else:
+            owner, own = level[1][at], most[at]
         chosen.append(owner)
         load[owner] += size
         held[owner] += size
+        sent[0][owner] += sends - own
+        sent[1][owner] += sends - own
         lo = hi
     owners[rest] = chosen
     return owners
@@ -601,9 +679,9 @@ def _preferred(load: np.ndarray, held: list[int], level: tuple[np.ndarray, memor
                end: int, size: int, fair: float) -> int:
     """Of a span's needers ``level[0][lo:hi]`` (most needed bytes first; ``level[1]`` the same,
     read entry by entry as ints without converting them all, 670k at hsdp; ``level[2]``: where
-    the runs of needers needing as much end, ``end`` the first's), the first of the least loaded
-    among those needing most while within ``fair`` after ``size`` more bytes (each rank's
-    ``load``, ``held`` as a list); -1 when none fits."""
+    the runs of needers needing as much end, ``end`` the first's), the position of the first of
+    the least loaded among those needing most while within ``fair`` after ``size`` more bytes
+    (each rank's ``load``, ``held`` as a list); -1 when none fits."""
     ranks, listed, ends = level
     for i in range(lo, hi):
         if held[listed[i]] + size <= fair:
@@ -614,12 +692,36 @@ def _preferred(load: np.ndarray, held: list[int], level: tuple[np.ndarray, memor
         end = ends[bisect_right(ends, i)]
     if end - i > 16:  # many: numpy
         loads = load[ranks[i:end]]
-        return int(ranks[i + int(np.argmin(np.where(loads + size <= fair, loads, np.iinfo(np.int64).max)))])
-    best = listed[i]
-    least = held[best]
-    for rank in listed[i + 1 : end]:
+        return i + int(np.argmin(np.where(loads + size <= fair, loads, np.iinfo(np.int64).max)))
+    best = i
+    least = held[listed[i]]
+    for at in range(i + 1, end):
+        rank = listed[at]
         if held[rank] < least and held[rank] + size <= fair:
-            best, least = rank, held[rank]
+            best, least = at, held[rank]
+    return best
+
+
+def _least_sending(load: np.ndarray, held: list[int], sent: tuple[np.ndarray, list[int]],
+                   level: tuple[np.ndarray, memoryview, list[int]], lo: int, hi: int, size: int, fair: float) -> int:
+    """Of a span's needers ``level[0][lo:hi]`` (most needed bytes first, then in rank order, as
+    :func:`_preferred` reads them), the position of the first of those that have ``sent`` least
+    (each rank's, as an array and a list), and of them the least loaded, among those within
+    ``fair`` after ``size`` more bytes; -1 when none fits."""
+    ranks, listed, _ = level
+    if hi - lo > 16:  # many: numpy
+        candidates = ranks[lo:hi]
+        loads = load[candidates]
+        fits = loads + size <= fair
+        if not fits.any():
+            return -1
+        sends = np.where(fits, sent[0][candidates], np.iinfo(np.int64).max)
+        return lo + int(np.argmin(np.where(sends == sends.min(), loads, np.iinfo(np.int64).max)))
+    best, least = -1, (0, 0)
+    for at in range(lo, hi):
+        rank = listed[at]
+        if held[rank] + size <= fair and (best < 0 or (sent[1][rank], held[rank]) < least):
+            best, least = at, (sent[1][rank], held[rank])
     return best
 
 
