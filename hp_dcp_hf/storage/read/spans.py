@@ -8,11 +8,13 @@ every rank's needs, which the ranks gather as integers, each rank computes the s
 2. cut into contiguous *spans*: runs of needed bytes, holes nobody needs bridged only up to a
    small gap, cut where a stretch of at least ``OWN_RUN_BYTES`` that one rank alone needs begins
    or ends (that rank can read it without sending a byte), each piece cut into near-equal spans
-   of at least ``span_bytes`` (page aligned);
-3. each span owned by one rank: spans one rank alone needs first, then the others, in file
-   order, the rank that needs most of it while its load stays within a fair share (bytes /
-   ranks, plus a span), else the least loaded rank on a node that needs it, else the least
-   loaded rank.
+   of at least ``span_bytes`` (page aligned), and finer where a span holds more bytes that
+   several ranks need than half the mean rank's (ranks needing the same bytes that are not twins);
+3. each span owned by one rank, within a fair share of the bytes read (bytes / ranks, plus a
+   span): spans one rank alone needs first, to it; then spans whose owner sends most of them,
+   each to the needer that has sent least; then the others, in file order, to the rank that
+   needs most of it; a span no needer can take to the least loaded rank on a node that needs
+   it, else the least loaded rank.
 
 Owners read their spans; every rank then receives the bytes of its own needs inside others' spans,
 from each sender as a stream in file order (:meth:`ClusterPlan.route`, :meth:`ClusterPlan.senders`):
