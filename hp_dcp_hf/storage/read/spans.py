@@ -117,8 +117,8 @@ class ClusterPlan:
         world = len(needs_by_rank)
         twins, distinct = twin_classes(needs_by_rank)
         population = np.bincount(twins, minlength=len(distinct))
-        first, last, density, order, union = _extents_and_union(table, [needs_by_rank[r] for r in distinct],
-                                                                len(files))
+        first, last, density, wanted, order, union = _extents_and_union(
+            table, [needs_by_rank[r] for r in distinct], len(files))
         bounds = np.cumsum([0, *(len(needs_by_rank[r]) for r in distinct)])
         group = np.repeat(np.arange(len(distinct)), np.diff(bounds))  # each need's class of twins
         total = sum(int((e - s).sum()) for s, e in union)
@@ -128,6 +128,12 @@ class ClusterPlan:
         lows, highs = _cut(*_keyed([merge(starts, ends, gap) for starts, ends in union]),
                            _sole_stretches(first, last, group, population == 1, order), target)
         needed_lo, needed_hi = _keyed(union)
+        # bytes needed more than once (ranks needing the same bytes, not twins) spread over spans
+        again = wanted - (_covered(needed_lo, needed_hi, table.key + table.nbytes)
+                          - _covered(needed_lo, needed_hi, table.key))
+        pieces = _send_pieces(lows, highs, table, again, world, span_bytes)
+        if bool((pieces > 1).any()):
+            lows, highs = _divide(lows, highs, pieces)
         needed = _covered(needed_lo, needed_hi, highs) - _covered(needed_lo, needed_hi, lows)
         # the spans each need touches and each span's needers, from the extents in byte order (each
         # array rebound as it is sorted: the build holds one copy of a million entries, not two)
@@ -136,15 +142,7 @@ class ClusterPlan:
         group = group[order]
         density = density[order]
         lo, hi = _touching(lows, first, last, in_order=True)
-        overlaps = _overlaps(lows, highs, first, last, density, (lo, hi))
-        pieces = _send_pieces(highs - lows, needed, *overlaps[:2], world, span_bytes)
-        if bool((pieces > 1).any()):
-            lows, highs = _divide(lows, highs, pieces)
-            needed = _covered(needed_lo, needed_hi, highs) - _covered(needed_lo, needed_hi, lows)
-            lo, hi = _touching(lows, first, last, in_order=True)
-            overlaps = _overlaps(lows, highs, first, last, density, (lo, hi))
-        indptr, classes, nbytes = _needers(len(lows), overlaps, group)
-        del overlaps
+        indptr, classes, nbytes = _needers(len(lows), _overlaps(lows, highs, first, last, density, (lo, hi)), group)
         span_index = _index_type(len(lows))
         touched = np.empty(len(lo), dtype=span_index), np.empty(len(hi), dtype=span_index)
         touched[0][order], touched[1][order] = lo, hi
@@ -308,18 +306,21 @@ class ClusterPlan:
         return Routed(self.owner[span], span, file[at], lo, hi, need[at], offset[at] + lo - start[at]), at
 
 
-def _extents_and_union(table: Tensors, classes: list[Needs], files: int
-                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[tuple[np.ndarray, np.ndarray]]]:
+def _extents_and_union(table: Tensors, classes: list[Needs], files: int) -> tuple[
+        np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[tuple[np.ndarray, np.ndarray]]]:
     """Every class's needs, one class after the other: their extents, the share of each extent's
     bytes the need holds (a box cut across a tensor's rows holds a slice of every row its extent
-    spans), a stable sort of their first bytes, and their union per file. The needs are concatenated only while these are found (41.7 MB
-    at 1024 FSDP ranks of DeepSeek-V3): the plan keeps the classes' own arrays, and the rest of the
-    build does not pile its temporaries on top of the copy."""
+    spans), per stored tensor the bytes all classes' needs of it hold, a stable sort of the needs'
+    first bytes, and their union per file. The needs are concatenated only while these are found
+    (41.7 MB at 1024 FSDP ranks of DeepSeek-V3): the plan keeps the classes' own arrays, and the
+    rest of the build does not pile its temporaries on top of the copy."""
     every = concatenated(classes, table)
     first, last = every.extents(table)
-    density = every.byte_counts(table) / np.maximum(last - first, 1)
+    held = every.byte_counts(table)
+    density = held / np.maximum(last - first, 1)
+    wanted = np.bincount(every.tensor, weights=held, minlength=len(table))  # integers below 2**53: exact
     order = np.argsort(first, kind="stable")  # cheap: each rank's needs are a run in byte order
-    return first, last, density, order, union_of(table, every, first, last, files, order)
+    return first, last, density, wanted, order, union_of(table, every, first, last, files, order)
 
 
 def _index_type(count: int) -> type[np.signedinteger]:
@@ -550,21 +551,31 @@ def _divide(lo: np.ndarray, hi: np.ndarray, count: np.ndarray) -> tuple[np.ndarr
     return np.sort(np.concatenate([lo, inner])), np.sort(np.concatenate([hi, inner]))
 
 
-def _send_pieces(sizes: np.ndarray, needed: np.ndarray, span: np.ndarray, nbytes: np.ndarray, world: int,
+def _send_pieces(lows: np.ndarray, highs: np.ndarray, table: Tensors, again: np.ndarray, world: int,
                  smallest: int) -> np.ndarray:
-    """Into how many spans to cut each span (of ``needed`` bytes; its needs' :func:`_overlaps`:
-    ``span``, ``nbytes``) so that none holds more than half the mean rank's bytes needed more than
-    once (what its needs need, less its needed bytes: the least its owner sends), where its pieces
-    stay at least ``smallest`` bytes. Where ranks that are not twins need the same bytes (FSDP's
-    shards of a tensor that tensor parallelism leaves whole are needed by every rank of a
-    tensor-parallel group), a span's sends are several times its size, and whole spans would put
-    the sends on a few owners whatever the assignment; at half the mean, the greedy assignment
-    ends within about that of it."""
-    again = np.maximum(np.bincount(span, weights=nbytes, minlength=len(sizes)) - needed, 0)
+    """Into how many spans to cut each span ``[lows, highs)`` (keys) so that none holds more than
+    half the mean rank's bytes needed more than once (``again``: per stored tensor, the bytes its
+    needs hold beyond its needed bytes, taken as spread evenly over it; the least a span's owner
+    sends), where its pieces stay at least ``smallest`` bytes. Where ranks that are not twins need
+    the same bytes (FSDP's shards of a tensor that tensor parallelism leaves whole are needed by
+    every rank of a tensor-parallel group), a span's sends are several times its size, and whole
+    spans would put the sends on a few owners whatever the assignment; at half the mean, the
+    greedy assignment ends within about that of it."""
+    sizes = highs - lows
     mean = float(again.sum()) / max(world, 1)
     if mean <= 0:
         return np.ones(len(sizes), dtype=np.int64)
-    return np.clip(np.ceil(2 * again / mean), 1, np.maximum(sizes // max(smallest, 1), 1)).astype(np.int64)
+    order = np.argsort(table.key, kind="stable")
+    starts, lengths, extra = table.key[order], table.nbytes[order], again[order]
+    before = np.concatenate(([0.0], np.cumsum(extra)))
+
+    def below(keys: np.ndarray) -> np.ndarray:  # bytes needed more than once before each key
+        at = np.maximum(np.searchsorted(starts, keys, side="right") - 1, 0)
+        inside = np.clip(keys - starts[at], 0, lengths[at])
+        return before[at] + extra[at] * inside / np.maximum(lengths[at], 1)
+
+    spans_again = np.maximum(below(highs) - below(lows), 0)
+    return np.clip(np.ceil(2 * spans_again / mean), 1, np.maximum(sizes // max(smallest, 1), 1)).astype(np.int64)
 
 
 def _sorted_distinct(keys: np.ndarray) -> np.ndarray:
@@ -578,6 +589,8 @@ def _sorted_distinct(keys: np.ndarray) -> np.ndarray:
 
 def _covered(starts: np.ndarray, ends: np.ndarray, positions: np.ndarray) -> np.ndarray:
     """Bytes of the disjoint sorted ranges below each of ``positions``."""
+    if not len(starts):
+        return np.zeros(len(positions), dtype=np.int64)
     below = np.concatenate(([0], np.cumsum(ends - starts)))
     at = np.searchsorted(starts, positions, side="right")  # ranges starting at or before
     inside = np.where(at > 0, np.minimum(positions, ends[np.maximum(at - 1, 0)]) - starts[np.maximum(at - 1, 0)], 0)
