@@ -193,7 +193,8 @@ def _greedy_owners(sizes, indptr, needers, needed, sending, nodes, target) -> li
             if owner < 0 or load[owner] + size > fair:
                 owner = min(range(world), key=lambda r: (load[r], r))
         owners[s], load[owner] = owner, load[owner] + size
-        sent[owner] += int(sending[s]) - (sum(n for r, n in spans[s] if r == owner) if fits else 0)
+        if s in spread:  # the spread spans come first: only their sends are ever compared
+            sent[owner] += int(sending[s]) - (sum(n for r, n in spans[s] if r == owner) if fits else 0)
     return owners
 
 
@@ -215,6 +216,25 @@ def test_owners_are_those_of_a_plain_greedy_one_span_at_a_time(seed):
     target = int(rng.choice([2**20, 2**23]))
     owners = spans_module._assign(sizes, indptr, needers, needed, sending, nodes, target)
     assert owners.tolist() == _greedy_owners(sizes, indptr, needers, needed, sending, nodes, target)
+
+
+def test_spans_holding_bytes_needed_more_than_once_are_cut_to_half_the_mean_wherever_empty_tensors_lie():
+    """The spans of a tensor holding 3 MiB needed more than once are cut so that none holds more
+    than half the mean rank's bytes needed again, no piece below the smallest span; an empty
+    tensor stored where another starts changes nothing, listed before it or after."""
+    mib = 2**20
+    full = Tensors([StoredTensor(0, 0, (4 * mib,), 1), StoredTensor(0, 4 * mib, (4 * mib,), 1)])
+    again = np.array([3 * mib, 0])  # tensor 0: 3 MiB needed more than once; tensor 1: none
+    lows, highs = np.array([0, 2 * mib, 4 * mib]), np.array([2 * mib, 4 * mib, 8 * mib])
+    # mean: 3 MiB over 2 ranks; half of it 0.75 MiB; each span of tensor 0 holds 1.5 MiB: 2 pieces
+    pieces = spans_module._send_pieces(lows, highs, full, again, 2, 4096)
+    assert pieces.tolist() == [2, 2, 1]
+    for empty_at in (0, 1, 2):
+        stored = [StoredTensor(0, 0, (4 * mib,), 1), StoredTensor(0, 4 * mib, (4 * mib,), 1)]
+        stored.insert(empty_at, StoredTensor(0, 0 if empty_at < 2 else 4 * mib, (0,), 1))
+        with_empty = np.insert(again, empty_at, 0)
+        assert spans_module._send_pieces(lows, highs, Tensors(stored), with_empty, 2, 4096).tolist() == [2, 2, 1]
+    assert spans_module._send_pieces(lows, highs, full, again, 2, 2 * mib).tolist() == [1, 1, 1]  # none below 2 MiB
 
 
 def test_a_stretch_one_rank_alone_needs_is_read_by_that_rank_and_never_sent():

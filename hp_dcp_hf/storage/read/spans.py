@@ -128,7 +128,8 @@ class ClusterPlan:
         lows, highs = _cut(*_keyed([merge(starts, ends, gap) for starts, ends in union]),
                            _sole_stretches(first, last, group, population == 1, order), target)
         needed_lo, needed_hi = _keyed(union)
-        # bytes needed more than once (ranks needing the same bytes, not twins) spread over spans
+        # per tensor, bytes its needs hold more than once: ranks needing the same bytes that are not
+        # twins (a rank's own overlapping boxes count too: they only cut spans finer)
         again = wanted - (_covered(needed_lo, needed_hi, table.key + table.nbytes)
                           - _covered(needed_lo, needed_hi, table.key))
         pieces = _send_pieces(lows, highs, table, again, world, span_bytes)
@@ -418,7 +419,10 @@ def _needers(lows: np.ndarray, highs: np.ndarray, first: np.ndarray, last: np.nd
     inside -= begin
     del begin
     np.maximum(inside, 0, out=inside)
-    inside = (inside * np.repeat(density, counts)).astype(np.int64)
+    held = np.repeat(density, counts)
+    held *= inside
+    inside = held.astype(np.int64)
+    del held
     # one pair per (span, rank), span-major
     ranks = int(rank.max()) + 1
     pair = span
@@ -548,7 +552,8 @@ def _send_pieces(lows: np.ndarray, highs: np.ndarray, table: Tensors, again: np.
     """Into how many spans to cut each span ``[lows, highs)`` (keys) so that none holds more than
     half the mean rank's bytes needed more than once (``again``: per stored tensor, the bytes its
     needs hold beyond its needed bytes, taken as spread evenly over it; the least a span's owner
-    sends), where its pieces stay at least ``smallest`` bytes. Where ranks that are not twins need
+    sends), where its pieces stay at least ``smallest`` bytes (cuts a page apart or closer merge:
+    a span may end up in fewer). Where ranks that are not twins need
     the same bytes (FSDP's shards of a tensor that tensor parallelism leaves whole are needed by
     every rank of a tensor-parallel group), a span's sends are several times its size, and whole
     spans would put the sends on a few owners whatever the assignment; at half the mean, the
@@ -557,7 +562,8 @@ def _send_pieces(lows: np.ndarray, highs: np.ndarray, table: Tensors, again: np.
     mean = float(again.sum()) / max(world, 1)
     if mean <= 0:
         return np.ones(len(sizes), dtype=np.int64)
-    order = np.argsort(table.key, kind="stable")
+    holding = np.flatnonzero(table.nbytes > 0)  # an empty tensor may start where the next one does
+    order = holding[np.argsort(table.key[holding], kind="stable")]
     starts, lengths, extra = table.key[order], table.nbytes[order], again[order]
     before = np.concatenate(([0.0], np.cumsum(extra)))
 
@@ -646,27 +652,24 @@ def _assign(sizes: np.ndarray, indptr: np.ndarray, needers: np.ndarray, needed: 
     his = np.cumsum(counts)
     first_ends = ends[np.searchsorted(ends, his - counts, "right")]  # where each span's first run ends
     level = (ranks, memoryview(ranks), ends.tolist())
-    most = memoryview(wanted)
+    share = memoryview(wanted)
     held = load.tolist()
-    sent = np.zeros(world, dtype=np.int64), [0] * world
+    sent = np.zeros(world, dtype=np.int64), [0] * world  # by the spread spans, which come first
     node = np.unique(nodes, return_inverse=True)[1].reshape(-1)
     chosen = []
     lo = 0
     for size, hi, end, sends, spreading in zip(sizes[rest].tolist(), his.tolist(), first_ends.tolist(),
                                                sending[rest].tolist(), spreads.tolist()):
-        if spreading:
-            at = _least_sending(load, held, sent, level, lo, hi, size, fair)
-        else:
-            at = _preferred(load, held, level, lo, hi, end, size, fair)
-        if at < 0:  # none of its needers can take it: its owner sends about all of it
-            owner, own = _fallback(load, ranks[lo:hi], size, fair, node), 0
-        else:
-            owner, own = level[1][at], most[at]
+        at = (_least_sending(load, held, sent, level, lo, hi, size, fair) if spreading
+              else _preferred(load, held, level, lo, hi, end, size, fair))
+        owner = level[1][at] if at >= 0 else _fallback(load, ranks[lo:hi], size, fair, node)
+        if spreading:  # about what it sends: all but its own bytes (with twins, those go down a chain too)
+            away = sends - (share[at] if at >= 0 else 0)
+            sent[0][owner] += away
+            sent[1][owner] += away
         chosen.append(owner)
         load[owner] += size
         held[owner] += size
-        sent[0][owner] += sends - own
-        sent[1][owner] += sends - own
         lo = hi
     owners[rest] = chosen
     return owners
@@ -712,9 +715,9 @@ def _preferred(load: np.ndarray, held: list[int], level: tuple[np.ndarray, memor
 def _least_sending(load: np.ndarray, held: list[int], sent: tuple[np.ndarray, list[int]],
                    level: tuple[np.ndarray, memoryview, list[int]], lo: int, hi: int, size: int, fair: float) -> int:
     """Of a span's needers ``level[0][lo:hi]`` (most needed bytes first, then in rank order, as
-    :func:`_preferred` reads them), the position of the first of those that have ``sent`` least
-    (each rank's, as an array and a list), and of them the least loaded, among those within
-    ``fair`` after ``size`` more bytes; -1 when none fits."""
+    :func:`_preferred` reads them) within ``fair`` after ``size`` more bytes, the position of the
+    least loaded of those that have ``sent`` least (each rank's, as an array and a list), the
+    first of them on a tie; -1 when none fits."""
     ranks, listed, _ = level
     if hi - lo > 16:  # many: numpy
         candidates = ranks[lo:hi]
