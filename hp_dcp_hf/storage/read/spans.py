@@ -318,7 +318,10 @@ def _extents_and_union(table: Tensors, classes: list[Needs], files: int) -> tupl
     every = concatenated(classes, table)
     first, last = every.extents(table)
     held = every.byte_counts(table)
-    density = held / np.maximum(last - first, 1)
+    extent = last - first
+    np.maximum(extent, 1, out=extent)
+    density = held / extent
+    del extent
     wanted = np.bincount(every.tensor, weights=held, minlength=len(table))  # integers below 2**53: exact
     order = np.argsort(first, kind="stable")  # cheap: each rank's needs are a run in byte order
     return first, last, density, wanted, order, union_of(table, every, first, last, files, order)
@@ -419,10 +422,7 @@ def _needers(lows: np.ndarray, highs: np.ndarray, first: np.ndarray, last: np.nd
     inside -= begin
     del begin
     np.maximum(inside, 0, out=inside)
-    held = np.repeat(density, counts)
-    held *= inside
-    inside = held.astype(np.int64)
-    del held
+    np.multiply(inside, np.repeat(density, counts), out=inside, casting="unsafe")  # truncated, as astype
     # one pair per (span, rank), span-major
     ranks = int(rank.max()) + 1
     pair = span
