@@ -52,8 +52,11 @@ class Tensors:
         for i, t in enumerate(self.stored):
             if t.shape:
                 self.shape[i, ndim - len(t.shape) :] = t.shape
-        # byte strides: each dim's step is the bytes of one index of it
-        self.strides = np.flip(np.cumprod(np.flip(self.shape, 1), 1), 1) // self.shape * self.itemsize[:, None]
+        # byte strides: each dim's step is the bytes of one index of it (the product of the dims
+        # after it: no division, so a tensor with an empty dim has them too)
+        inner = np.ones_like(self.shape)
+        inner[:, :-1] = np.flip(np.cumprod(np.flip(self.shape[:, 1:], 1), 1), 1)
+        self.strides = inner * self.itemsize[:, None]
         self.nbytes = self.shape.prod(1) * self.itemsize
         self.key = byte_key(self.file, self.data_start)  # each tensor's first byte as a key
 
