@@ -70,6 +70,9 @@ SPAN_GAP = 64 * 2**10
 
 _PAGE = 4096
 
+_NONE = np.iinfo(np.int64).max
+"""Stands for a rank a span cannot go to, where the least of some per-rank count is sought."""
+
 
 @dataclass(frozen=True)
 class ClusterPlan:
@@ -702,7 +705,7 @@ def _preferred(load: np.ndarray, held: list[int], level: tuple[np.ndarray, memor
         end = ends[bisect_right(ends, i)]
     if end - i > 16:  # many: numpy
         loads = load[ranks[i:end]]
-        return i + int(np.argmin(np.where(loads + size <= fair, loads, np.iinfo(np.int64).max)))
+        return i + int(np.argmin(np.where(loads + size <= fair, loads, _NONE)))
     best = i
     least = held[listed[i]]
     for at in range(i + 1, end):
@@ -719,14 +722,15 @@ def _least_sending(load: np.ndarray, held: list[int], sent: tuple[np.ndarray, li
     least loaded of those that have ``sent`` least (each rank's, as an array and a list), the
     first of them on a tie; -1 when none fits."""
     ranks, listed, _ = level
-    if hi - lo > 16:  # many: numpy
+    if hi - lo > 16:  # many: numpy, in the copies the gathers made (fewer calls: thousands of spans)
         candidates = ranks[lo:hi]
-        loads = load[candidates]
-        fits = loads + size <= fair
-        if not fits.any():
+        loads, sends = load[candidates], sent[0][candidates]
+        sends[loads + size > fair] = _NONE
+        least = sends.min()
+        if least == _NONE:
             return -1
-        sends = np.where(fits, sent[0][candidates], np.iinfo(np.int64).max)
-        return lo + int(np.argmin(np.where(sends == sends.min(), loads, np.iinfo(np.int64).max)))
+        loads[sends != least] = _NONE
+        return lo + int(loads.argmin())
     best, least = -1, (0, 0)
     for at in range(lo, hi):
         rank = listed[at]
