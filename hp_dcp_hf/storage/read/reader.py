@@ -117,8 +117,8 @@ class HFStorageReader(StorageReader):
     ``record_requests``: keep every request issued in ``requests_log`` as ``(file, start, end)``
     (for pictures of a plan; off by default). ``cooperate``: span ownership
     (:mod:`hp_dcp_hf.storage.read.spans`): the ranks read every checkpoint byte any of them needs once
-    between them, in spans of at least ``span_bytes`` each owned by one rank (balanced by bytes,
-    preferring a rank on a ``node`` that needs it; ``node`` defaults to the host name), and send
+    between them, in spans of at least ``span_bytes`` each owned by one rank (balanced by bytes read
+    and sent, preferring a rank on a ``node`` that needs it; ``node`` defaults to the host name), and send
     each other the raw bytes each needs: ``"always"``, ``"never"``, or ``"auto"`` (the default):
     on storage other machines share (remote stores, network, cluster and FUSE file systems), where
     every byte read costs egress, requests and server load, not on a node's own disk, whose page
