@@ -556,11 +556,11 @@ def _send_pieces(lows: np.ndarray, highs: np.ndarray, table: Tensors, again: np.
     half the mean rank's bytes needed more than once (``again``: per stored tensor, the bytes its
     needs hold beyond its needed bytes, taken as spread evenly over it; the least a span's owner
     sends), where its pieces stay at least ``smallest`` bytes (cuts a page apart or closer merge:
-    a span may end up in fewer). Where ranks that are not twins need
-    the same bytes (FSDP's shards of a tensor that tensor parallelism leaves whole are needed by
-    every rank of a tensor-parallel group), a span's sends are several times its size, and whole
-    spans would put the sends on a few owners whatever the assignment; at half the mean, the
-    greedy assignment ends within about that of it."""
+    a span may end up in fewer). Where ranks that are not twins need the same bytes (FSDP's shards
+    of a tensor that tensor parallelism leaves whole are needed by every rank of a tensor-parallel
+    group), a span's sends are several times its size, and whole spans would put the sends on a
+    few owners whatever the assignment; at half the mean, the greedy assignment ends within about
+    that of it."""
     sizes = highs - lows
     mean = float(again.sum()) / max(world, 1)
     if mean <= 0:
