@@ -4,8 +4,9 @@ Rank 0 records each file's size and version tag (local: mtime + inode; HTTP/S3: 
 with the headers it broadcasts; every read checks them (``os.fstat`` of the descriptor, or the
 ``Content-Range`` total and ``ETag``/``X-Repo-Commit`` of each ranged answer). A mismatch raises
 ``StorageReadError`` "changed since its header was read (...)" naming the file and the keys; the
-targets of the changed file keep their old values (nothing of the new bytes is written), and the
-remote checks cost no request of their own.
+targets of a file changed before its first read keep their old values (nothing of the new bytes is
+written), those of one changed while read straight into them are named by the error's
+``touched_keys``, and the remote checks cost no request of their own.
 
 Local (rewritten with the same size, truncated, extended), HTTP (a Range server whose content is
 swapped), the Hub (a file changed under a pinned commit), S3 (moto: the object replaced), and two
@@ -34,6 +35,9 @@ from hp_dcp_hf import load_hf_checkpoint
 from hp_dcp_hf.errors import StorageReadError
 from hp_dcp_hf.storage import HFStorageReader
 from hp_dcp_hf.storage.format.catalog import INDEX_FILE, Catalog, scan
+from hp_dcp_hf.storage.read import direct
+from hp_dcp_hf.storage.read.copy import copy_into
+from hp_dcp_hf.storage.transport import fsspec_backend
 from hp_dcp_hf.storage.transport.location import CheckpointLocation, FileVersion, filesystem, locate
 from hp_dcp_hf.storage.transport.stats import ReadStats
 from hp_dcp_hf.tools.launch import run_ranks
@@ -182,6 +186,49 @@ def test_local_file_changed_after_metadata(tmp_path: Path, change: str) -> None:
     _assert_changed_file_untouched(state)
 
 
+@pytest.mark.parametrize("mapped", [True, False], ids=["mapped", "ranged"])
+def test_a_file_changed_while_read_names_every_target_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mapped: bool
+) -> None:
+    """A file that changes while its bytes go straight into the targets (out of a mapping, or by
+    ranged reads) is caught when its handle closes, after some targets were written: the error's
+    ``touched_keys`` name every target that no longer holds its old values, written or committed."""
+    root = _write(tmp_path / "ckpt")
+    model = _module()
+    targets = {model.get_buffer(key).data_ptr() for key in FILES[CHANGED]}
+    changes: list[Path] = []
+
+    def change_once() -> None:  # another process rewriting the file, between two writes of the read
+        if not changes:
+            changes.append(root / CHANGED)
+            _rewrite_same_size(root / CHANGED)
+
+    if mapped:
+        def copy_then_change(dest: torch.Tensor, source: torch.Tensor) -> None:
+            copy_into(dest, source)
+            if dest.data_ptr() in targets:
+                change_once()
+
+        monkeypatch.setattr(direct, "copy_into", copy_then_change)
+    else:
+        read_into = fsspec_backend._LocalFile.read_into
+        data_start = 8 + int.from_bytes((root / CHANGED).read_bytes()[:8], "little")  # past the header
+
+        def read_then_change(handle, start, buffers) -> None:
+            read_into(handle, start, buffers)
+            if handle.file == CHANGED and start >= data_start:
+                change_once()
+
+        monkeypatch.setattr(fsspec_backend._LocalFile, "read_into", read_then_change)
+    with pytest.raises(StorageReadError, match="changed since its header was read") as info:
+        load_hf_checkpoint(model, str(root), num_threads=1, map_local_files=mapped)
+    assert changes and info.value.file == CHANGED
+    state = model.state_dict()
+    written = {key for key, value in state.items() if not torch.equal(value, torch.full_like(value, SENTINEL))}
+    assert written & set(FILES[CHANGED]), "the read wrote nothing of the changed file before it noticed"
+    assert written <= set(info.value.touched_keys), (written, info.value.touched_keys)
+
+
 def test_local_unchanged_files_load_and_a_new_load_sees_the_change(tmp_path: Path) -> None:
     """No false alarm: an untouched checkpoint loads; after a change, a fresh load reads the new bytes."""
     root = _write(tmp_path / "ckpt")
@@ -206,6 +253,24 @@ def test_local_handle_checks_when_it_closes(tmp_path: Path) -> None:
         handle.read(size - 100, size - 90)  # still inside the file: preadv alone would not notice
     with location.open(CHANGED) as handle, pytest.raises(StorageReadError, match="changed since"):
         handle.read(0, 8)  # a new handle refuses before reading
+
+
+def test_local_failed_read_says_how_many_bytes_it_wrote(tmp_path: Path) -> None:
+    """A read into buffers that fails tells a reader writing in place whether it changed them:
+    ``error.transferred`` is 0 when it failed before its first byte, else the bytes it had put in."""
+    root = _write(tmp_path / "ckpt")
+    location, _ = locate(*filesystem(str(root)))
+    size = location.size(CHANGED)
+    buffer = bytearray(100)
+    with pytest.raises(StorageReadError, match="changed since"), location.open(CHANGED) as handle:  # its close too
+        handle.read_into(size - 200, [buffer])  # checked, unchanged
+        _truncate(root / CHANGED)  # 24 bytes gone: a read of the last 100 gets 76 of them
+        with pytest.raises(StorageReadError, match="changed since") as info:
+            handle.read_into(size - 100, [memoryview(buffer)[:50], memoryview(buffer)[50:]])
+    assert info.value.transferred == 76
+    with pytest.raises(StorageReadError, match="changed since") as info, location.open(CHANGED) as handle:
+        handle.read_into(0, [bytearray(8)])  # a new handle checks before its first byte
+    assert info.value.transferred == 0
 
 
 def test_local_tags_are_checked_only_on_their_host(tmp_path: Path) -> None:

@@ -329,6 +329,19 @@ def test_http_persistent_failure_gives_up_in_bounded_time(http) -> None:
     assert time.monotonic() - start < 5
     assert info.value.file == "model-00001-of-00009.safetensors"
     assert len([r for r in http.requests(faults=True) if r.fault]) == 4
+    assert info.value.transferred == 0  # no byte came: a reader writing in place changed nothing
+
+
+def test_http_read_given_up_part_way_says_how_many_bytes_it_wrote(http) -> None:
+    """Every answer cut short: the read resumes after the bytes that came until the policy gives
+    up, and its error counts them (``transferred``): its buffers were written that far."""
+    http.add_fault("truncate", None, match=_starts_past_header)
+    location, _ = locate(*filesystem(f"{http.url}/ckpt", retry=FAST))
+    buffer = bytearray(4096)
+    with location.open("model-00001-of-00009.safetensors") as handle, pytest.raises(StorageReadError) as info:
+        handle.read_into(100, [buffer])
+    cut = [r for r in http.requests(faults=True) if r.fault == "truncate"]
+    assert len(cut) == 4 and info.value.transferred == sum(r.body_bytes for r in cut) > 0
 
 
 def test_http_stalled_server_times_out(http) -> None:

@@ -435,7 +435,8 @@ def test_a_landing_span_reads_into_destinations_cut_anywhere_with_holes_dropped(
             self.dest, self.nbytes, self.direct = torch.zeros(nbytes, dtype=torch.uint8), nbytes, True
 
     chunks = [Chunk(10), Chunk(30)]
-    target = _Needs(chunks, lambda index: None, {})
+    written: list[int] = []
+    target = _Needs(chunks, lambda index: None, {}, written.append)
     # need 0: file bytes [110, 120) at 0; need 1: three rows of 5 bytes from 130, 10 apart, at 5
     own = {7: [Run(7, 0, 0, 110, 10, 1, 0), Run(7, 1, 5, 130, 15, 3, 10)]}
     landing = _landing(own, {7: 25}, target)
@@ -455,3 +456,9 @@ def test_a_landing_span_reads_into_destinations_cut_anywhere_with_holes_dropped(
         assert chunks[1].dest[:5].tolist() + chunks[1].dest[20:].tolist() == [0] * 15  # nothing outside the parts
         for chunk in chunks:
             chunk.dest.zero_()
+    # the views name no destination (a landing read names those it wrote once it has); a buffer
+    # handed out to be written now names its destination, once
+    assert written == []
+    for index in (1, 0, 1):
+        assert target.buffer(index) is not None
+    assert written == [1, 0]

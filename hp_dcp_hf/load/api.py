@@ -131,7 +131,9 @@ def load_hf_checkpoint(
     if error is not None:
         if check is not None:
             check.restore()
-        error.touched_keys = tuple(sorted(planner.touched_targets))  # type: ignore[attr-defined]
+        # committed targets, and those a read that failed midway had begun writing in place
+        touched = planner.touched_targets | planner.written_targets(reader.written_items)
+        error.touched_keys = tuple(sorted(touched))  # type: ignore[attr-defined]
         raise error from None
     assert planner.report is not None
     if planner.unexpected == "warn" and planner.reported_unexpected and is_rank0():

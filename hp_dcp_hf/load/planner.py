@@ -297,6 +297,12 @@ class HFMappingPlanner(LoadPlanner):
             return
         self._staged(staging_key)
 
+    def written_targets(self, items: Collection[ReadItem]) -> set[str]:
+        """The state dict keys that ``items`` (a reader's, written into whether or not committed)
+        write in place: those read straight into a model tensor. Staged and quantized items reach
+        the model only when they are committed, which ``touched_targets`` counts."""
+        return {item.dest_index.fqn for item in items if item in self._destinations}
+
     def _staged(self, staging_key: str) -> None:
         """Checkpoint tensor ``staging_key`` is whole in staging: finish the deferred targets that
         waited for it last."""
@@ -499,12 +505,13 @@ class HFMappingPlanner(LoadPlanner):
     def _dequantize(self, dequantization: _Dequantization) -> None:
         destination = dequantization.destination.view()
         values = dequantization.tensor.values(dequantization.parts, dequantization.box, destination.dtype)
+        if not dequantization.staged:
+            with self._lock:  # before the copy: one that fails midway has written part of it
+                self.touched_targets.add(dequantization.target)
         with torch.no_grad():
             destination.copy_(values)
         with self._lock:
             dequantization.parts.clear()
-            if not dequantization.staged:
-                self.touched_targets.add(dequantization.target)
         if dequantization.staged:
             self._staged(dequantization.target)
 
@@ -525,12 +532,13 @@ class HFMappingPlanner(LoadPlanner):
         value = self.composition.evaluate([target], self._staging.__getitem__)[target]
         tensor, pieces, _ = self._deferred[target]
         local = local_tensor(tensor)
+        with self._lock:  # before the copies: one that fails midway has written part of it
+            self.touched_targets.add(target)
         with torch.no_grad():
             for piece in pieces:
                 dest = local[tuple(slice(o, o + s) for o, s in zip(piece.local_offsets, piece.global_box.sizes))]
                 dest.copy_(value[piece.global_box.slices()])
         with self._lock:
-            self.touched_targets.add(target)
             del self._deferred[target]
             still_needed = set().union(*(sources for _, _, sources in self._deferred.values()))
             for key in list(self._staging):

@@ -111,6 +111,7 @@ class CooperativeRead:
                 request_bytes=settings.batch_bytes, threads=settings.threads, budget=options.staging_bytes,
                 stats=record.stats, log=(lambda f, s, e: log((f, s, e))) if log is not None else None,
                 direct_io=options.direct_io, landed=record.landed,
+                writing=lambda index: record.writing((chunks[index].item,)),
             )
             record.spans = load
             record.seconds.update(load.seconds)

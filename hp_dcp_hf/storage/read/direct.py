@@ -157,6 +157,7 @@ class DirectRead:
                 keys = ", ".join(dict.fromkeys(chunk.entry.key for chunk in batch))
                 raise StorageReadError(e.reason, file=e.file, key=keys) from e
             raise
+        record.writing(batch[i].item for i in staged.staged)
         with record.converting():
             staged.deliver(lambda: finish(batch))
 
@@ -168,7 +169,12 @@ class DirectRead:
         ranges = pieces(batch)
         requests = coalesce(ranges, self.settings.gap)
         scratch = memoryview(bytearray(max(r.nbytes - sum(p.nbytes for p in r.pieces) for r in requests)))
-        self._read_requests(handle, requests, lambda r: request_views(r, buffers, scratch), batch)
+        in_place = [target is chunk.dest for chunk, target in zip(batch, targets)]
+
+        def wrote(request: Request) -> None:
+            record.writing(batch[p.owner].item for p in request.pieces if in_place[p.owner])
+
+        self._read_requests(handle, requests, lambda r: request_views(r, buffers, scratch), batch, wrote)
         record.landed()
         record.log(handle.file, requests)
         record.stats.add(
@@ -185,16 +191,18 @@ class DirectRead:
         requests: list[Request],
         views: Callable[[Request], list[memoryview]],
         batch: list[Chunk],
+        wrote: Callable[[Request], None],
     ) -> None:
         """``requests`` read into their ``views``: one after the other from a local file, at once on
         the request pool from a remote store. Returns (or raises the first error) only once none of
-        them still writes into the batch's buffers."""
+        them still writes into the batch's buffers; ``wrote(request)`` once a request may have
+        written some of its bytes."""
         pool = self._request_pool
         if pool is None:
             for request in requests:
-                _read_request(handle, request, views(request), batch)
+                _read_request(handle, request, views(request), batch, wrote)
             return
-        futures = [pool.submit(_read_request, handle, request, views(request), batch) for request in requests]
+        futures = [pool.submit(_read_request, handle, request, views(request), batch, wrote) for request in requests]
         wait(futures, return_when=FIRST_EXCEPTION)
         for future in futures:
             future.cancel()
@@ -212,6 +220,8 @@ def _copy_mapped(handle: RangeFile, batch: list[Chunk], targets: list[torch.Tens
         view = handle.mapped(first, last)
         assert view is not None, "read from a mapping of a backend that cannot map"
         source = torch.frombuffer(view, dtype=chunk.entry.dtype).as_strided(chunk.box.sizes, chunk.strides)
+        if target is chunk.dest:
+            record.writing((chunk.item,))
         copy_into(target, source)
         record.landed()
         del source, view
@@ -225,12 +235,18 @@ def _copy_mapped(handle: RangeFile, batch: list[Chunk], targets: list[torch.Tens
     record.stats.add(handle.file, bytes_read=needed, bytes_needed=needed, ranges=ranges, requests=requests)
 
 
-def _read_request(handle: RangeFile, request: Request, views: list[memoryview], batch: list[Chunk]) -> None:
+def _read_request(handle: RangeFile, request: Request, views: list[memoryview], batch: list[Chunk],
+                  wrote: Callable[[Request], None]) -> None:
     try:
         handle.read_into(request.start, views)
-    except StorageReadError as e:
+    except BaseException as e:
+        if getattr(e, "transferred", None) != 0:  # bytes may have landed before it failed
+            wrote(request)
+        if not isinstance(e, StorageReadError):
+            raise
         keys = ", ".join(dict.fromkeys(batch[p.owner].entry.key for p in request.pieces))
         raise StorageReadError(e.reason, file=e.file, key=keys) from e
+    wrote(request)
 
 
 def _large_reads(batch: list[Chunk]) -> bool:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -25,7 +25,9 @@ class ReadRecord:
     it counted): bytes and requests (``stats``), phase times (``seconds``), every request when
     ``requests`` is a list, the staging ring's use, a cooperative read's plan and exchange.
     ``started``: when ``read_data`` began, the origin of ``seconds["first_byte"]`` (:meth:`landed`).
-    ``cooperated``: whether a cooperative read read spans or, not paying, each rank its own items."""
+    ``cooperated``: whether a cooperative read read spans or, not paying, each rank its own items.
+    ``written``: the items (indices into the plan) into whose destinations bytes may have gone,
+    committed or not: what a read that fails midway may have changed (:meth:`writing`)."""
 
     stats: ReadStats
     seconds: dict[str, float]
@@ -34,11 +36,19 @@ class ReadRecord:
     spans: SpanLoad | None = None
     cooperated: bool | None = None
     started: float = field(default_factory=time.perf_counter)
+    written: set[int] = field(default_factory=set)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def log(self, file: str, requests: list[Request]) -> None:
         if self.requests is not None:
             self.requests.extend((file, r.start, r.end) for r in requests)  # list.extend is atomic
+
+    def writing(self, items: Iterable[int]) -> None:
+        """Bytes go, or went, into the destinations of ``items`` in place: marked before the
+        first byte moves where the mode can, else as soon as a read may have moved one, so that a
+        read failing at any point after it names them."""
+        with self._lock:
+            self.written.update(items)
 
     def landed(self) -> None:
         """Bytes read from storage are in memory: the first call sets ``seconds["first_byte"]``, the

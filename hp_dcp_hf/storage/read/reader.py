@@ -176,6 +176,8 @@ class HFStorageReader(StorageReader):
         self.spans: SpanLoad | None = None  # a cooperative load's cluster plan and this rank's part
         self.requests_log: list[tuple[str, int, int]] = []
         self.staging = StagingStats()  # what went through the staging ring in the last read_data
+        # the last read_data's items into whose destinations bytes may have gone, committed or not
+        self.written_items: tuple[ReadItem, ...] = ()
         self.settings = ReadSettings(self.options, None)  # located by read_metadata
         self._shared = False  # the checkpoint's storage is shared with other machines (Catalog.shared)
 
@@ -295,6 +297,7 @@ class HFStorageReader(StorageReader):
             with paused_gc():
                 self._mode().read(plan, planner, record)
         finally:
+            self.written_items = tuple(plan.items[i] for i in sorted(record.written))
             if record.staging is not None:
                 self.staging = record.staging
             if record.spans is not None:

@@ -134,10 +134,13 @@ class _Needs:
     """This rank's chunks as the exchange fills them: each chunk's bytes land in its destination
     when it takes them as stored, else in a staging buffer made on first arrival; once a chunk's
     bytes are all in, and those it forwards to twins (``relays``: need -> bytes) all sent, its values
-    go to the destination and ``finished(chunk)`` is called."""
+    go to the destination and ``finished(chunk)`` is called. ``writing(chunk)`` is told, once a
+    chunk, when bytes go into its destination (before they do, or after a read straight into it)."""
 
-    def __init__(self, chunks: Sequence[Any], finished: Callable[[int], None], relays: dict[int, int]) -> None:
-        self._chunks, self._finished = chunks, finished
+    def __init__(self, chunks: Sequence[Any], finished: Callable[[int], None], relays: dict[int, int],
+                 writing: Callable[[int], None]) -> None:
+        self._chunks, self._finished, self._writing = chunks, finished, writing
+        self._written: set[int] = set()
         self._lock = threading.Lock()
         self._remaining = [chunk.nbytes + relays.get(i, 0) for i, chunk in enumerate(chunks)]
         self._arrived: dict[int, tuple[list[int], list[int]]] = {i: ([], []) for i in relays}
@@ -149,11 +152,28 @@ class _Needs:
         return self._chunks[index].direct
 
     def buffer(self, index: int) -> torch.Tensor:
+        """Where chunk ``index``'s bytes go as they arrive, its destination or staging, to be written
+        now (a destination is named to ``writing`` first)."""
+        buffer = self.place(index)
+        if self._chunks[index].direct:
+            self.write(index)
+        return buffer
+
+    def place(self, index: int) -> torch.Tensor:
+        """:meth:`buffer`, for a read that names what it wrote itself (:meth:`write`) once it has."""
         with self._lock:
             buffer = self._buffers.get(index)
             if buffer is None:
                 buffer = self._buffers[index] = torch.empty(self._chunks[index].nbytes, dtype=torch.uint8)
             return buffer
+
+    def write(self, index: int) -> None:
+        """Bytes go (or went) into chunk ``index``'s destination: ``writing`` is told, the first time."""
+        with self._lock:
+            first = index not in self._written
+            self._written.add(index)
+        if first:
+            self._writing(index)
 
     def received(self, region: Region) -> None:
         """``region``'s bytes arrived from a peer (noted where they are forwarded)."""
@@ -184,6 +204,7 @@ class _Needs:
             buffer = self._buffers.pop(index)
         chunk = self._chunks[index]
         if not chunk.direct:
+            self.write(index)
             copy_into(chunk.dest, chunk.staged_view(buffer, 0))
         self._finished(index)
 
@@ -253,10 +274,12 @@ def read_spans(
     log: Callable[[str, int, int], None] | None,
     direct_io: bool,
     landed: Callable[[], None],
+    writing: Callable[[int], None],
 ) -> SpanLoad:
     """The cooperative read of ``chunks`` (this rank's, sorted by file and first byte) under
     ``gathered``'s plan: every rank calls it together. ``finished(i)``: chunk ``i`` holds its
-    values; ``landed()``: a request's bytes are in. Raises this rank's error, or
+    values; ``landed()``: a request's bytes are in; ``writing(i)``: bytes go into chunk ``i``'s
+    destination (once a chunk). Raises this rank's error, or
     returns having left the outcome of the others to agree on (``SpanLoad.exchange`` counts)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     mine, plan = gathered.mine, gathered.plan
@@ -290,7 +313,7 @@ def read_spans(
         for region in regions:
             (relays if region.relay else pending)[region.key] += region.nbytes
     load.relay_bytes = sum(relays.values())
-    target = _Needs(chunks, finished, relays)
+    target = _Needs(chunks, finished, relays, writing)
     landing = {} if direct_io else _landing(own_runs, pending, target)
     load.landed_bytes = sum(pending[span] for span in landing)
     load.seconds["spans"] = time.perf_counter() - gathered.began
@@ -370,7 +393,7 @@ def _landing_views(parts: list[Piece], start: int, end: int, target: _Needs) -> 
     bytes, cut to the read, in their destinations, and scratch for the holes between them."""
     inside = [Piece(max(p.start, start), min(p.end, end), p.owner, p.offset + max(p.start, start) - p.start)
               for p in parts[bisect.bisect_right(parts, start, key=lambda p: p.end) :] if p.start < end]
-    buffers = {p.owner: memoryview(target.buffer(p.owner).numpy()) for p in inside}
+    buffers = {p.owner: memoryview(target.place(p.owner).numpy()) for p in inside}
     scratch = memoryview(bytearray(end - start - sum(p.nbytes for p in inside)))
     return request_views(Request(start, end, tuple(inside)), buffers, scratch)
 
@@ -405,12 +428,22 @@ def _read_owned(location, plan, spans: _Spans, own_runs: dict[int, list[Run]], l
         try:
             file = plan.files[int(plan.file[span])]
             base = int(plan.start[span])
+            # a landing read writes destinations in place: they are named once it may have
+            landed_in = [p.owner for p in landing[span] if p.start < end and p.end > start] if buffer is None else []
             with location.open(file) as handle:  # closing checks the file is unchanged
                 if direct_io:
                     handle.use_direct_io()
                 views = (_landing_views(landing[span], start, end, target) if buffer is None
                          else [memoryview(buffer[start - base : end - base].numpy())])
-                handle.read_into(start, views)
+                try:
+                    handle.read_into(start, views)
+                except BaseException as e:
+                    if getattr(e, "transferred", None) != 0:
+                        for need in landed_in:
+                            target.write(need)
+                    raise
+                for need in landed_in:
+                    target.write(need)
             landed()
             if log is not None:
                 log(file, start, end)

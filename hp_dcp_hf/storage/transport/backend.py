@@ -30,6 +30,7 @@ from fsspec import AbstractFileSystem
 from hp_dcp_hf.errors import CheckpointNotFoundError, HPDCPHFError, StorageReadError
 
 T = TypeVar("T")
+E = TypeVar("E", bound=BaseException)
 
 
 REMOTE_COALESCE_GAP = 2**20
@@ -103,7 +104,9 @@ class RangeFile:
         return bytes(buf)
 
     def read_into(self, start: int, buffers: Sequence[Any]) -> None:
-        """Fill ``buffers`` (writable, C-contiguous) in order from the bytes starting at ``start``."""
+        """Fill ``buffers`` (writable, C-contiguous) in order from the bytes starting at ``start``.
+        A read that fails may have filled some of them: its error says how many bytes, where the
+        backend knows, as :func:`transferred` sets it."""
         raise NotImplementedError
 
     def mapped(self, start: int, end: int) -> memoryview | None:
@@ -436,6 +439,14 @@ Body = Callable[[memoryview], int]
 """``readinto`` of a response body: fills a view, returns how many bytes came (0 at its end)."""
 
 
+def transferred(error: E, nbytes: int) -> E:
+    """``error``, a read's, marked with the bytes the read had put into its buffers before it
+    failed (``error.transferred``): a reader that wrote into its destinations in place tells a
+    failure that left them as they were (0) from one that may have changed them."""
+    error.transferred = nbytes  # type: ignore[attr-defined]
+    return error
+
+
 def read_ranged(
     file: str,
     start: int,
@@ -471,4 +482,8 @@ def read_ranged(
                     progress[1] += 1
                     progress[2] = 0
 
-    run(attempt, f"GET bytes [{start}, {end})")
+    try:
+        run(attempt, f"GET bytes [{start}, {end})")
+    except StorageReadError as e:
+        transferred(e, progress[0] - start)
+        raise

@@ -32,6 +32,7 @@ from hp_dcp_hf.storage.transport.backend import (
     changed_error,
     fill_views,
     host_name,
+    transferred,
 )
 from hp_dcp_hf.storage.transport.mounts import filesystem_type, is_shared
 
@@ -73,10 +74,11 @@ class _LocalFile(RangeFile):
     With an ``expected`` version, ``os.fstat`` of the descriptor is checked against it before the
     first read or mapping (so a file changed before the load reads nothing) and when the handle
     closes, before the reader commits anything it read (so one changed while it was read raises
-    instead of leaving mixed bytes unreported); not after every read, which would double the
-    syscalls of a layout that reads one range per row. A mapped file truncated during the copy is
-    the exception: the kernel answers the access past its end with SIGBUS, as for every reader that
-    maps files.
+    instead of leaving mixed bytes unreported: bytes read straight into a destination are there
+    already, and the load's error names it, see ``transferred``); not after every read, which
+    would double the syscalls of a layout that reads one range per row. A mapped file truncated
+    during the copy is the exception: the kernel answers the access past its end with SIGBUS, as
+    for every reader that maps files.
 
     :meth:`advise` hands ranges to the kernel's readahead (``posix_fadvise(WILLNEED)``);
     after :meth:`use_direct_io`, reads go around the page cache (``O_DIRECT``): each one reads the
@@ -107,29 +109,35 @@ class _LocalFile(RangeFile):
         self._checked = True
 
     def read_into(self, start: int, buffers: Sequence[Any]) -> None:
-        if not self._checked:
-            self._check_unchanged()
         views = [v for v in (memoryview(b).cast("B") for b in buffers) if v.nbytes]
         end = start + sum(v.nbytes for v in views)
         if self._direct_fd is not None:
+            if not self._checked:
+                self._check_unchanged()
             self._read_direct(start, end, views)
             return
         pos, first = start, 0
-        while first < len(views):
-            try:
-                got = os.preadv(self._fd, views[first : first + _IOV_MAX], pos)
-            except OSError as e:
-                raise StorageReadError(f"read at {pos} failed: {e}", file=self.file) from e
-            if got == 0:
-                self._check_unchanged()  # a file cut short since its header was read says so
-                raise self._short(start, end, pos - start)
-            pos += got
-            # preadv may stop early (signals, >2 GiB): drop what is filled, trim the partial view.
-            while first < len(views) and views[first].nbytes <= got:
-                got -= views[first].nbytes
-                first += 1
-            if got:
-                views[first] = views[first][got:]
+        try:
+            if not self._checked:
+                self._check_unchanged()
+            while first < len(views):
+                try:
+                    got = os.preadv(self._fd, views[first : first + _IOV_MAX], pos)
+                except OSError as e:
+                    raise StorageReadError(f"read at {pos} failed: {e}", file=self.file) from e
+                if got == 0:
+                    self._check_unchanged()  # a file cut short since its header was read says so
+                    raise self._short(start, end, pos - start)
+                pos += got
+                # preadv may stop early (signals, >2 GiB): drop what is filled, trim the partial view.
+                while first < len(views) and views[first].nbytes <= got:
+                    got -= views[first].nbytes
+                    first += 1
+                if got:
+                    views[first] = views[first][got:]
+        except StorageReadError as e:
+            transferred(e, pos - start)
+            raise
 
     def _read_direct(self, start: int, end: int, views: list[memoryview]) -> None:
         """``[start, end)`` through an aligned ``O_DIRECT`` read of its envelope into the bounce buffer."""
