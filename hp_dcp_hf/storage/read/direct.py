@@ -1,7 +1,9 @@
 """The direct read mode: each rank reads its own chunks' bytes, in per-file batches on a thread pool.
 
 Local files are mapped into memory and each chunk is one strided ``copy_`` out of the mapping (a
-row-sharded box would otherwise be one read per row). Other backends read byte ranges, coalesced
+row-sharded box would otherwise be one read per row), except batches that land as stored in
+ranges of :data:`LARGE_RANGE` or more on average, read with ``os.preadv`` straight into their
+destinations (a mapping's page faults would slow them down). Other backends read byte ranges, coalesced
 into requests: when the destination is a contiguous CPU tensor of the checkpoint dtype, the bytes
 land in it directly; otherwise they go through a slot of a bounded staging ring and ``copy_``
 (which casts and writes through non-contiguous views). CUDA destinations are always staged, in

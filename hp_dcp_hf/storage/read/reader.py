@@ -123,8 +123,8 @@ class HFStorageReader(StorageReader):
     on storage other machines share (remote stores, network, cluster and FUSE file systems), where
     every byte read costs egress, requests and server load, not on a node's own disk, whose page
     cache already serves its ranks one copy; and there only where it pays: once the ranks have
-    gathered each other's needs, they read directly unless cooperating saves a quarter of the bytes or
-    three quarters of the busiest rank's requests (:mod:`~hp_dcp_hf.storage.read.payoff`;
+    gathered each other's needs, they read directly unless cooperating saves a fifth of the bytes
+    (direct reads fetch 1.25x or more) or three quarters of the busiest rank's requests (:mod:`~hp_dcp_hf.storage.read.payoff`;
     ``cooperating`` says, after a load, which it did). ``map_local_files``: copy boxes out of a memory
     mapping of local files (the fast path, and ``coalesce_gap`` does not apply: only needed bytes
     are copied); ``False`` reads them with ``os.preadv`` instead, which is slower on row-sharded
