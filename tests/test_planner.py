@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import json
 import logging
 import time
 
@@ -125,6 +126,9 @@ def test_shape_mismatch_lists_every_offending_key_and_writes_nothing(llama_check
     message = str(info.value)
     assert "model.layers.0.mlp.up_proj.weight: model expects (42, 44), checkpoint makes (43, 44)" in message
     assert "model.layers.1.mlp.down_proj.weight" in message
+    assert info.value.key == "model.layers.0.mlp.down_proj.weight"  # the first, and the file holding its source
+    assert info.value.file == json.loads((llama_checkpoint.path / "model.safetensors.index.json").read_text())[
+        "weight_map"]["model.layers.0.mlp.down_proj.weight"]
     assert _unchanged(model, before)
 
 
@@ -160,8 +164,9 @@ def test_plain_module_with_explicit_mapping_and_uncastable_dtype(tmp_path):
     model = _Tiny()
     before = _snapshot(model)
     mapping = [WeightConverter("w.t", "proj.weight", [_Transpose()]), WeightRenaming("counter", "steps")]
-    with pytest.raises(MappingError, match=r"steps: cannot cast counter \(torch.float32\) to torch.int64"):
+    with pytest.raises(MappingError, match=r"steps: cannot cast counter \(torch.float32\) to torch.int64") as info:
         load_hf_checkpoint(model, str(tmp_path), weights_mapping=mapping)
+    assert (info.value.file, info.value.key) == ("model.safetensors", "steps")
     assert _unchanged(model, before)
     report = load_hf_checkpoint(model, str(tmp_path), weights_mapping=mapping[:1], strict=False)
     assert torch.equal(model.proj.weight, weight.t())

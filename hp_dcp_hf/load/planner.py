@@ -153,6 +153,16 @@ def _castable(source: torch.dtype, target: torch.dtype) -> bool:
     return not (source.is_floating_point or target.is_floating_point or torch.bool in (source, target))
 
 
+def _file_of(metadata: Metadata, key: str) -> str | None:
+    """The checkpoint file holding ``key`` (its first, where it is stored in chunks), for errors;
+    None where the reader's metadata does not say (an :class:`HFStorageReader`'s does)."""
+    spec = metadata.state_dict_metadata.get(key)
+    if not isinstance(spec, TensorStorageMetadata) or not isinstance(metadata.storage_data, Mapping):
+        return None
+    parts = getattr(metadata.storage_data.get(MetadataIndex(key, spec.chunks[0].offsets)), "parts", None)
+    return parts[0].file if parts else None
+
+
 def _tensor_specs(metadata: Metadata, claimed: Collection[str]) -> dict[str, TensorSpec]:
     """Every checkpoint tensor's shape and dtype, less the ``claimed`` keys; one spec per metadata
     entry object (``HFStorageReader``'s keys of one dtype and shape share theirs: 45,395 keys of
@@ -337,7 +347,7 @@ class HFMappingPlanner(LoadPlanner):
         targets = tied_targets(self.model, wanted, composition.traced)
         fill = self.filled = targets.names  # writing one name of a tied group writes every alias
         missing = {name for group in targets.unmade for name in group}
-        self._validate(composition, state_dict, fill, sources)
+        self._validate(composition, state_dict, fill, sources, metadata)
         if missing and self.strict:
             raise MissingKeysError(f"the checkpoint makes no value for {len(missing)} model tensors: "
                                    f"{list(natural_sorted(missing))}")
@@ -397,24 +407,30 @@ class HFMappingPlanner(LoadPlanner):
                     "block borders, or replicate them", key=name)
 
     @staticmethod
-    def _validate(composition: Composition, state_dict, fill: Sequence[str], sources) -> None:
+    def _validate(composition: Composition, state_dict, fill: Sequence[str], sources, metadata: Metadata) -> None:
         problems = []
+        first_key = None  # the checkpoint key of the first problem: the error names its file
         for target in fill:
             tensor = state_dict[target]
             traced = composition.traced[target]
+            keys = traced.source_keys()
+            found = len(problems)
             shape = shape_problem(tensor, traced)
             if shape is not None:
                 problems.append((target, shape))
-                continue
-            keys = traced.source_keys()
-            for dtype in {sources[key].dtype for key in keys}:  # per dtype: an MoE layer has thousands of keys
-                if not _castable(dtype, tensor.dtype):
-                    key = min(k for k in keys if sources[k].dtype == dtype)
-                    problems.append((target, f"cannot cast {key} ({dtype}) to {tensor.dtype}"))
-            if not isinstance(traced, Opaque) and traced.structure.covered != global_numel(tensor):
-                problems.append((target, f"the conversion covers {traced.structure.covered} "
-                                         f"of {global_numel(tensor)} elements"))
-        refuse(problems, "model tensors do not match the checkpoint")
+            else:
+                for dtype in {sources[key].dtype for key in keys}:  # per dtype: an MoE layer has thousands of keys
+                    if not _castable(dtype, tensor.dtype):
+                        key = min(k for k in keys if sources[k].dtype == dtype)
+                        problems.append((target, f"cannot cast {key} ({dtype}) to {tensor.dtype}"))
+                        first_key = first_key or key
+                if not isinstance(traced, Opaque) and traced.structure.covered != global_numel(tensor):
+                    problems.append((target, f"the conversion covers {traced.structure.covered} "
+                                             f"of {global_numel(tensor)} elements"))
+            if len(problems) > found and first_key is None and keys:
+                first_key = min(keys)
+        refuse(problems, "model tensors do not match the checkpoint",
+               file=None if first_key is None else _file_of(metadata, first_key))
 
     def _make_items(self, composition: Composition, state_dict, fill, stored, sources) -> list[ReadItem]:
         """This rank's items. ``sources`` are the tensors the conversions see (quantized ones as

@@ -52,9 +52,10 @@ def shape_problem(tensor: torch.Tensor, traced: Any) -> str | None:
             f"from {sorted(traced.source_keys())}")
 
 
-def refuse(problems: Sequence[tuple[str, str]], what: str) -> None:
+def refuse(problems: Sequence[tuple[str, str]], what: str, *, file: str | None = None) -> None:
     """One :class:`MappingError` listing every ``(name, why)`` of ``problems`` (none: nothing
-    raised), ``what`` saying what they are, keyed by the first name."""
+    raised), ``what`` saying what they are, keyed by the first name; ``file``: the checkpoint file
+    the first problem comes from, where known."""
     if problems:
         raise MappingError(f"{len(problems)} {what}:\n  " + "\n  ".join(f"{name}: {why}" for name, why in problems),
-                           key=problems[0][0])
+                           file=file, key=problems[0][0])
