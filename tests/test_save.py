@@ -20,7 +20,13 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 import hp_dcp_hf
-from hp_dcp_hf.errors import InterruptedSaveError, MixedCheckpointError, PlanningError, StorageWriteError
+from hp_dcp_hf.errors import (
+    InterruptedSaveError,
+    MappingError,
+    MixedCheckpointError,
+    PlanningError,
+    StorageWriteError,
+)
 from hp_dcp_hf.storage.format.files import layout_file
 from hp_dcp_hf.storage.format.journal import INDEX_FILE, STAGING_PREFIX
 from hp_dcp_hf.tools.inspection import inspect_checkpoint
@@ -262,6 +268,30 @@ def test_model_safetensors_is_read_before_an_index(tmp_path):
 def test_a_model_without_a_config_is_refused_before_writing(tmp_path):
     with pytest.raises(PlanningError):
         hp_dcp_hf.save_hf_checkpoint(torch.nn.Linear(3, 4), tmp_path / "ours")
+    assert not (tmp_path / "ours").exists() or not any((tmp_path / "ours").iterdir())
+
+
+@pytest.mark.parametrize("where", ["path", "parent"])
+def test_a_path_through_a_file_is_refused_naming_it(tmp_path, where):
+    """A path that is a file, or lies under one, is a typed error naming it; the file stays as it was."""
+    file = tmp_path / "a-file"
+    file.write_bytes(b"not a directory")
+    path = file if where == "path" else file / "model"
+    with pytest.raises(StorageWriteError) as info:
+        hp_dcp_hf.save_hf_checkpoint(build_family_model("llama"), path)
+    assert info.value.file == str(path) and "the path is not a directory" in info.value.reason
+    assert file.read_bytes() == b"not a directory"
+
+
+def test_a_tensor_named_like_the_header_metadata_is_refused_before_writing(tmp_path):
+    """safetensors keeps ``__metadata__`` for the header's own entry: a tensor of that name would
+    take its place (and the file's save id with it); it is a typed error, and nothing is written."""
+    module = torch.nn.Module()
+    module.register_parameter("__metadata__", torch.nn.Parameter(torch.ones(2)))
+    module.weight = torch.nn.Parameter(torch.zeros(3))
+    with pytest.raises(MappingError, match="cannot be named '__metadata__'") as info:
+        hp_dcp_hf.save_hf_checkpoint(module, tmp_path / "ours", weights_mapping=[])
+    assert info.value.key == "__metadata__"
     assert not (tmp_path / "ours").exists() or not any((tmp_path / "ours").iterdir())
 
 

@@ -20,7 +20,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from hp_dcp_hf.errors import MappingError
 from hp_dcp_hf.storage.format.dtypes import SAFETENSORS_DTYPES
+from hp_dcp_hf.storage.format.header import METADATA_KEY
 
 if TYPE_CHECKING:
     from hp_dcp_hf.storage.format.catalog import CheckpointTensor
@@ -84,9 +86,14 @@ def source_shard_size(entries: Iterable[CheckpointTensor], dtype: torch.dtype | 
 def layout_file(name: str, specs: Mapping[str, tuple[torch.dtype, Sequence[int]]],
                 metadata: Mapping[str, str] | None = None) -> SavedFile:
     """File ``name`` holding ``specs`` (key -> (dtype, shape)), laid out as safetensors does;
-    ``metadata`` joins ``{"format": "pt"}`` in the header's ``__metadata__``."""
+    ``metadata`` joins ``{"format": "pt"}`` in the header's ``__metadata__``, a name no tensor may
+    take (:class:`MappingError` naming it)."""
+    if METADATA_KEY in specs:
+        raise MappingError(f"a tensor cannot be named {METADATA_KEY!r} in a safetensors file: the header's "
+                           "metadata has that name (rename the parameter, or map it to another key)",
+                           file=name, key=METADATA_KEY)
     order = sorted(specs, key=lambda key: (-specs[key][0].itemsize, key))
-    header: dict[str, object] = {"__metadata__": {"format": "pt", **(metadata or {})}}
+    header: dict[str, object] = {METADATA_KEY: {"format": "pt", **(metadata or {})}}
     offset = 0
     for key in order:
         dtype, shape = specs[key]

@@ -411,6 +411,9 @@ class Directory(Destination):
     def lock(self, save_id: str) -> None:
         try:
             self._lock(save_id)
+        except (FileExistsError, NotADirectoryError) as e:  # the path, or a directory above it, is a file
+            raise StorageWriteError(f"the path is not a directory (a file is there or above it): {e}",
+                                    file=self.url) from e
         except OSError as e:  # a read-only or unreachable file system
             raise StorageWriteError(f"cannot take the path's lock: {e}", file=self.url) from e
 
@@ -448,7 +451,7 @@ class Directory(Destination):
     def list_names(self) -> set[str]:
         try:
             return set(os.listdir(self.url))
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # no directory there (a file is not one)
             return set()
 
     def read_bytes(self, name: str, start: int = 0, end: int | None = None) -> bytes | None:
@@ -456,7 +459,7 @@ class Directory(Destination):
             with open(self._path(name), "rb") as handle:
                 handle.seek(start)
                 return handle.read(-1 if end is None else end - start)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return None
 
     def write_text(self, name: str, text: str) -> None:
