@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 
 import hp_dcp_hf
 from hp_dcp_hf.errors import (
+    ArgumentError,
     InterruptedSaveError,
     MappingError,
     MixedCheckpointError,
@@ -281,6 +282,13 @@ def test_a_path_through_a_file_is_refused_naming_it(tmp_path, where):
         hp_dcp_hf.save_hf_checkpoint(build_family_model("llama"), path)
     assert info.value.file == str(path) and "the path is not a directory" in info.value.reason
     assert file.read_bytes() == b"not a directory"
+
+
+def test_a_shard_size_in_units_save_pretrained_refuses_is_refused_before_writing(tmp_path):
+    """``"20KiB"`` is no size ``save_pretrained`` takes either: an ArgumentError, no directory made."""
+    with pytest.raises(ArgumentError, match=r"max_shard_size='20KiB'.*Supported units"):
+        hp_dcp_hf.save_hf_checkpoint(build_family_model("llama"), tmp_path / "ours", max_shard_size="20KiB")
+    assert not (tmp_path / "ours").exists()
 
 
 def test_a_tensor_named_like_the_header_metadata_is_refused_before_writing(tmp_path):

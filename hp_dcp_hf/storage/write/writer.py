@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from hp_dcp_hf.errors import PlanningError, StorageWriteError
+from hp_dcp_hf.errors import ArgumentError, PlanningError, StorageWriteError
 from hp_dcp_hf.geometry.box import Box
 from hp_dcp_hf.storage.format.files import SavedFile, SavedTensor, layout_files
 from hp_dcp_hf.storage.format.journal import SAVE_ID_KEY, SAVE_ID_LENGTH
@@ -109,6 +109,10 @@ class HFStorageWriter(StorageWriter):
         self.lease_seconds = lease_seconds
         self.progress = progress
         self._written_lock = threading.Lock()
+        try:  # save_pretrained's size units ("5GB", bytes), refused before anything is written
+            layout_files({}, max_shard_size)
+        except ValueError as e:
+            raise ArgumentError(f"max_shard_size={max_shard_size!r}: {e}") from None
         self.max_shard_size = max_shard_size
         self.dtype = dtype
         self.staging_bytes = staging_bytes
