@@ -144,6 +144,11 @@ def _assert_equal(state: dict[str, torch.Tensor], reference: dict[str, torch.Ten
     assert not bad, bad[:3]
 
 
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit for bit (the test model is NaN, which ``torch.equal`` never finds equal)."""
+    return torch.equal(a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8))
+
+
 def _data(log: list[LoggedRequest]) -> list[LoggedRequest]:
     """Requests for tensor data: ranges that start past the 8-byte length prefix of a .safetensors."""
     return [r for r in log if r.path.endswith(".safetensors") and r.span and r.span[0] > 8]
@@ -354,6 +359,23 @@ def test_http_stalled_server_times_out(http) -> None:
     ):
         handle.read(100, 200)
     assert time.monotonic() - start < 1.5
+
+
+def test_http_data_gone_after_its_header_names_the_keys_and_touches_nothing(http) -> None:
+    """A file that answers 404 to its data ranges once its header was read (deleted meanwhile):
+    CheckpointNotFoundError naming the file and the keys it held, and no byte was written
+    (``touched_keys`` empty, the model as it was)."""
+    http.add_fault("status", None, status=404, match=_starts_past_header)
+    model = _model()
+    before = {key: value.clone() for key, value in model.state_dict().items()}
+    with pytest.raises(CheckpointNotFoundError, match="404") as info:
+        load_hf_checkpoint(model, f"{http.url}/ckpt", retry=FAST, coalesce_gap=0)
+    error = info.value
+    assert error.file.endswith(".safetensors") and error.key
+    assert set(error.key.split(", ")) <= set(before), error.key
+    assert error.touched_keys == ()
+    changed = [key for key, value in model.state_dict().items() if not _same_bits(value, before[key])]
+    assert not changed, changed
 
 
 def test_http_permanent_errors_are_not_retried(http) -> None:

@@ -14,13 +14,13 @@ pinned slots, and copied to the device asynchronously while the next reads run
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
 import torch
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 
-from hp_dcp_hf.errors import StorageReadError
+from hp_dcp_hf.errors import CheckpointNotFoundError, HPDCPHFError, StorageReadError
 from hp_dcp_hf.storage.format.ranges import Request, coalesce, count_requests, request_views
 from hp_dcp_hf.storage.read.chunks import (
     Chunk,
@@ -155,9 +155,8 @@ class DirectRead:
                     self._read_ranges(handle, batch, targets, record)
         except BaseException as e:
             staged.release()
-            if isinstance(e, StorageReadError) and e.key is None:
-                keys = ", ".join(dict.fromkeys(chunk.entry.key for chunk in batch))
-                raise StorageReadError(e.reason, file=e.file, key=keys) from e
+            if isinstance(e, StorageReadError | CheckpointNotFoundError) and e.key is None:
+                raise _naming(e, (chunk.entry.key for chunk in batch)) from e
             raise
         record.writing(batch[i].item for i in staged.staged)
         with record.converting():
@@ -244,11 +243,17 @@ def _read_request(handle: RangeFile, request: Request, views: list[memoryview], 
     except BaseException as e:
         if getattr(e, "transferred", None) != 0:  # bytes may have landed before it failed
             wrote(request)
-        if not isinstance(e, StorageReadError):
+        if not isinstance(e, StorageReadError | CheckpointNotFoundError):
             raise
-        keys = ", ".join(dict.fromkeys(batch[p.owner].entry.key for p in request.pieces))
-        raise StorageReadError(e.reason, file=e.file, key=keys) from e
+        raise _naming(e, (batch[p.owner].entry.key for p in request.pieces)) from e
     wrote(request)
+
+
+def _naming(error: StorageReadError | CheckpointNotFoundError, keys: Iterable[str]) -> HPDCPHFError:
+    """``error`` again, naming the checkpoint keys whose bytes the failed read was for: a missing
+    file stays a :class:`CheckpointNotFoundError`, any other failure is a :class:`StorageReadError`."""
+    kind = CheckpointNotFoundError if isinstance(error, CheckpointNotFoundError) else StorageReadError
+    return kind(error.reason, file=error.file, key=", ".join(dict.fromkeys(keys)))
 
 
 def _large_reads(batch: list[Chunk]) -> bool:

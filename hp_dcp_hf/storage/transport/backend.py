@@ -484,6 +484,6 @@ def read_ranged(
 
     try:
         run(attempt, f"GET bytes [{start}, {end})")
-    except StorageReadError as e:
+    except HPDCPHFError as e:  # a file gone (404, NoSuchKey) as well as a failed read
         transferred(e, progress[0] - start)
         raise
