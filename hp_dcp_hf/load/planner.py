@@ -409,28 +409,28 @@ class HFMappingPlanner(LoadPlanner):
     @staticmethod
     def _validate(composition: Composition, state_dict, fill: Sequence[str], sources, metadata: Metadata) -> None:
         problems = []
-        first_key = None  # the checkpoint key of the first problem: the error names its file
+        culprits: list[str | None] = []  # per problem, the checkpoint key it is about (its file is named)
         for target in fill:
             tensor = state_dict[target]
             traced = composition.traced[target]
             keys = traced.source_keys()
-            found = len(problems)
             shape = shape_problem(tensor, traced)
             if shape is not None:
                 problems.append((target, shape))
-            else:
-                for dtype in {sources[key].dtype for key in keys}:  # per dtype: an MoE layer has thousands of keys
-                    if not _castable(dtype, tensor.dtype):
-                        key = min(k for k in keys if sources[k].dtype == dtype)
-                        problems.append((target, f"cannot cast {key} ({dtype}) to {tensor.dtype}"))
-                        first_key = first_key or key
-                if not isinstance(traced, Opaque) and traced.structure.covered != global_numel(tensor):
-                    problems.append((target, f"the conversion covers {traced.structure.covered} "
-                                             f"of {global_numel(tensor)} elements"))
-            if len(problems) > found and first_key is None and keys:
-                first_key = min(keys)
+                culprits.append(min(keys, default=None))
+                continue
+            for dtype in {sources[key].dtype for key in keys}:  # per dtype: an MoE layer has thousands of keys
+                if not _castable(dtype, tensor.dtype):
+                    key = min(k for k in keys if sources[k].dtype == dtype)
+                    problems.append((target, f"cannot cast {key} ({dtype}) to {tensor.dtype}"))
+                    culprits.append(key)
+            if not isinstance(traced, Opaque) and traced.structure.covered != global_numel(tensor):
+                problems.append((target, f"the conversion covers {traced.structure.covered} "
+                                         f"of {global_numel(tensor)} elements"))
+                culprits.append(min(keys, default=None))
+        first = culprits[0] if culprits else None
         refuse(problems, "model tensors do not match the checkpoint",
-               file=None if first_key is None else _file_of(metadata, first_key))
+               file=None if first is None else _file_of(metadata, first))
 
     def _make_items(self, composition: Composition, state_dict, fill, stored, sources) -> list[ReadItem]:
         """This rank's items. ``sources`` are the tensors the conversions see (quantized ones as

@@ -36,6 +36,7 @@ from hp_dcp_hf.storage.read.mode import ReadRecord
 from hp_dcp_hf.storage.read.options import ReadSettings
 from hp_dcp_hf.storage.read.prefetch import Prefetcher, advise
 from hp_dcp_hf.storage.read.staging import Staging
+from hp_dcp_hf.storage.transport.backend import placing
 from hp_dcp_hf.storage.transport.location import CheckpointLocation, RangeFile
 
 LARGE_RANGE = 1 << 20
@@ -239,14 +240,10 @@ def _copy_mapped(handle: RangeFile, batch: list[Chunk], targets: list[torch.Tens
 def _read_request(handle: RangeFile, request: Request, views: list[memoryview], batch: list[Chunk],
                   wrote: Callable[[Request], None]) -> None:
     try:
-        handle.read_into(request.start, views)
-    except BaseException as e:
-        if getattr(e, "transferred", None) != 0:  # bytes may have landed before it failed
-            wrote(request)
-        if not isinstance(e, StorageReadError | CheckpointNotFoundError):
-            raise
+        with placing(lambda: wrote(request)):
+            handle.read_into(request.start, views)
+    except (StorageReadError, CheckpointNotFoundError) as e:
         raise _naming(e, (batch[p.owner].entry.key for p in request.pieces)) from e
-    wrote(request)
 
 
 def _naming(error: StorageReadError | CheckpointNotFoundError, keys: Iterable[str]) -> HPDCPHFError:

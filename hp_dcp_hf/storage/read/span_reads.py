@@ -35,6 +35,7 @@ from hp_dcp_hf.storage.read.needs import Need, Needs, StoredTensor, Tensors, dec
 from hp_dcp_hf.storage.read.payoff import ReadCost, direct_cost
 from hp_dcp_hf.storage.read.routing import Run, runs
 from hp_dcp_hf.storage.read.spans import ClusterPlan
+from hp_dcp_hf.storage.transport.backend import placing
 from hp_dcp_hf.storage.transport.location import CheckpointLocation
 from hp_dcp_hf.storage.transport.stats import ReadStats
 from hp_dcp_hf.util.collectives import collective_device
@@ -430,20 +431,18 @@ def _read_owned(location, plan, spans: _Spans, own_runs: dict[int, list[Run]], l
             base = int(plan.start[span])
             # a landing read writes destinations in place: they are named once it may have
             landed_in = [p.owner for p in landing[span] if p.start < end and p.end > start] if buffer is None else []
+
+            def wrote() -> None:
+                for need in landed_in:
+                    target.write(need)
+
             with location.open(file) as handle:  # closing checks the file is unchanged
                 if direct_io:
                     handle.use_direct_io()
                 views = (_landing_views(landing[span], start, end, target) if buffer is None
                          else [memoryview(buffer[start - base : end - base].numpy())])
-                try:
+                with placing(wrote):
                     handle.read_into(start, views)
-                except BaseException as e:
-                    if getattr(e, "transferred", None) != 0:
-                        for need in landed_in:
-                            target.write(need)
-                    raise
-                for need in landed_in:
-                    target.write(need)
             landed()
             if log is not None:
                 log(file, start, end)

@@ -14,13 +14,14 @@ and :mod:`~hp_dcp_hf.storage.transport.location` depend on (and which depends on
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import posixpath
 import random
 import re
 import socket
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, fields
 from typing import Any, TypeVar
@@ -30,7 +31,6 @@ from fsspec import AbstractFileSystem
 from hp_dcp_hf.errors import CheckpointNotFoundError, HPDCPHFError, StorageReadError
 
 T = TypeVar("T")
-E = TypeVar("E", bound=BaseException)
 
 
 REMOTE_COALESCE_GAP = 2**20
@@ -439,12 +439,24 @@ Body = Callable[[memoryview], int]
 """``readinto`` of a response body: fills a view, returns how many bytes came (0 at its end)."""
 
 
-def transferred(error: E, nbytes: int) -> E:
-    """``error``, a read's, marked with the bytes the read had put into its buffers before it
-    failed (``error.transferred``): a reader that wrote into its destinations in place tells a
-    failure that left them as they were (0) from one that may have changed them."""
+def transferred(error: BaseException, nbytes: int) -> None:
+    """Mark ``error``, a read's, with the bytes the read had put into its buffers before it failed
+    (``error.transferred``): a reader that wrote into its destinations in place tells a failure
+    that left them as they were (0) from one that may have changed them (:func:`placing`)."""
     error.transferred = nbytes  # type: ignore[attr-defined]
-    return error
+
+
+@contextlib.contextmanager
+def placing(mark: Callable[[], None]) -> Iterator[None]:
+    """Run a read into buffers, then ``mark()`` that they may hold its bytes: after it, and after
+    its failure unless the error says it placed none (``transferred`` 0; unsaid counts as some)."""
+    try:
+        yield
+    except BaseException as e:
+        if getattr(e, "transferred", None) != 0:
+            mark()
+        raise
+    mark()
 
 
 def read_ranged(

@@ -111,15 +111,13 @@ class _LocalFile(RangeFile):
     def read_into(self, start: int, buffers: Sequence[Any]) -> None:
         views = [v for v in (memoryview(b).cast("B") for b in buffers) if v.nbytes]
         end = start + sum(v.nbytes for v in views)
-        if self._direct_fd is not None:
-            if not self._checked:
-                self._check_unchanged()
-            self._read_direct(start, end, views)
-            return
         pos, first = start, 0
         try:
             if not self._checked:
                 self._check_unchanged()
+            if self._direct_fd is not None:  # fills the views only once the whole read is in
+                self._read_direct(start, end, views)
+                return
             while first < len(views):
                 try:
                     got = os.preadv(self._fd, views[first : first + _IOV_MAX], pos)
